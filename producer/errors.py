@@ -1,0 +1,37 @@
+"""Every exception mlxq raises on purpose, in one place."""
+
+from __future__ import annotations
+
+
+class MlxqError(Exception):
+    """Base class of mlxq's own errors."""
+
+
+class PayloadError(MlxqError, ValueError):
+    """A job payload is malformed: wrong type, bad value, undecodable bytes.
+
+    Raised by the producer before anything reaches Redis, and by the worker on
+    what it reads back (a rogue producer can write Redis directly).
+    """
+
+
+class JobFailed(MlxqError):
+    """The job ended failed (or canceled, when a result was asked for).
+
+    Attributes:
+        job_id: The job's id.
+        reason: Why it failed, as the worker recorded it.
+    """
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(f"job {job_id} failed: {reason}")
+        self.job_id = job_id
+        self.reason = reason
+
+
+class JobTimeout(MlxqError, TimeoutError):
+    """Waiting on a job (stream or result) took longer than the caller allowed."""
+
+
+class NoSuchJob(MlxqError, LookupError):
+    """No job with that id exists (never did, or its records expired)."""

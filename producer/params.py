@@ -1,0 +1,227 @@
+"""The job payload schema: what a producer may ask for, checked the same way on both sides.
+
+A producer validates before anything reaches Redis; the worker validates again
+what it reads back, because a rogue producer can write Redis directly. Both go
+through :meth:`GenerationRequest.from_payload`, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxq.producer.errors import PayloadError
+
+PAYLOAD_VERSION = 1
+#: Default cap on ``max_tokens``; a Client or worker may set its own.
+MAX_TOKENS_CAP = 32_768
+#: Longest prompt (characters, over all chat messages) a job may carry.
+MAX_PROMPT_CHARS = 1_000_000
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1_024
+MAX_SEED = 2**63 - 1
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+#: A sampling-parameter key: jobs with equal keys can share one plain sampler.
+ParamKey = tuple[float, float, int, float]
+
+
+def _bad(name: str, value: Any, why: str) -> PayloadError:
+    return PayloadError(f"{name}={value!r}: {why}")
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, "must be a number")
+    if not math.isfinite(value):
+        raise _bad(name, value, "must be finite")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, value, "must be an integer")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one job's next token is drawn; each field means what it means to
+    mlx-lm's ``make_sampler``.
+
+    Args:
+        temperature: 0 draws the argmax (greedy); above 0 divides the log-probs.
+        top_p: Nucleus mass kept, in (0, 1]; 1 keeps everything.
+        top_k: Keep the k most likely tokens; 0 keeps everything.
+        min_p: Drop tokens less likely than ``min_p`` times the top token; 0 keeps all.
+        seed: Makes the draw a function of (seed, position, token) alone, so a
+            seeded job gives the same tokens alone or batched. None: unseeded.
+
+    Raises:
+        PayloadError: (a ``ValueError``) naming the field and the bad value.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = _number("temperature", self.temperature)
+        if t < 0:
+            raise _bad("temperature", self.temperature, "must be >= 0")
+        p = _number("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if _integer("top_k", self.top_k) < 0:
+            raise _bad("top_k", self.top_k, "must be >= 0 (0 disables it)")
+        m = _number("min_p", self.min_p)
+        if not 0 <= m <= 1:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and not 0 <= _integer("seed", self.seed) <= MAX_SEED:
+            raise _bad("seed", self.seed, f"must be in [0, {MAX_SEED}]")
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_p", p)
+        object.__setattr__(self, "min_p", m)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def key(self) -> ParamKey:
+        """The batching key. Greedy ignores the filters, so all greedy jobs share
+        one key; the seed is per-row noise and never splits a batch."""
+        if self.greedy:
+            return (0.0, 1.0, 0, 0.0)
+        return (self.temperature, self.top_p, self.top_k, self.min_p)
+
+
+def _messages(value: Any) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
+        raise _bad("messages", value, "must be a non-empty list of {role, content} maps")
+    if len(value) > MAX_MESSAGES:
+        raise _bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or set(m) != {"role", "content"}:
+            raise _bad(f"messages[{i}]", m, "must be a map with exactly 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise _bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise _bad(f"messages[{i}].content", m["content"], "must be a string")
+        out.append({"role": m["role"], "content": m["content"]})
+    return tuple(out)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or isinstance(value, bytes):
+        raise _bad("stop", value, "must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise _bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
+    for s in value:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise _bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation job: the input, how long, how to sample.
+
+    Exactly one of ``prompt`` (raw text, tokenized as is) and ``messages`` (chat,
+    rendered through the model's chat template) is set.
+
+    Raises:
+        PayloadError: (a ``ValueError``) naming the field and the bad value.
+    """
+
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    metadata: dict[str, Any] | None = None
+    max_tokens_cap: int = MAX_TOKENS_CAP
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise _bad("prompt", self.prompt, "give exactly one of prompt and messages")
+        if self.prompt is not None:
+            if not isinstance(self.prompt, str):
+                raise _bad("prompt", self.prompt, "must be a string")
+            if not self.prompt:
+                raise _bad("prompt", self.prompt, "must not be empty")
+            chars = len(self.prompt)
+        else:
+            object.__setattr__(self, "messages", _messages(self.messages))
+            chars = sum(len(m["content"]) for m in self.messages or ())
+        if chars > MAX_PROMPT_CHARS:
+            raise _bad("prompt", f"<{chars} characters>", f"at most {MAX_PROMPT_CHARS}")
+        cap = _integer("max_tokens_cap", self.max_tokens_cap)
+        if not 1 <= _integer("max_tokens", self.max_tokens) <= cap:
+            raise _bad("max_tokens", self.max_tokens, f"must be in [1, {cap}]")
+        if not isinstance(self.sampling, SamplingParams):
+            raise _bad("sampling", self.sampling, "must be SamplingParams")
+        object.__setattr__(self, "stop", _stop(self.stop))
+        if self.metadata is not None and not (
+            isinstance(self.metadata, Mapping) and all(isinstance(k, str) for k in self.metadata)
+        ):
+            raise _bad("metadata", self.metadata, "must be a map with string keys")
+
+    def to_payload(self) -> dict[str, Any]:
+        """The msgpack-ready map stored as the rq job's only argument."""
+        s = self.sampling
+        return {
+            "v": PAYLOAD_VERSION,
+            "prompt": self.prompt,
+            "messages": list(self.messages) if self.messages is not None else None,
+            "max_tokens": self.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "min_p": s.min_p,
+            "seed": s.seed,
+            "stop": list(self.stop),
+            "metadata": dict(self.metadata) if self.metadata is not None else None,
+        }
+
+    @classmethod
+    def from_payload(
+        cls, payload: Any, *, max_tokens_cap: int = MAX_TOKENS_CAP
+    ) -> GenerationRequest:
+        """Check a payload read back from Redis; the inverse of :meth:`to_payload`.
+
+        Raises:
+            PayloadError: on anything but a well-formed version-1 payload.
+        """
+        if not isinstance(payload, Mapping):
+            raise _bad("payload", payload, "must be a map")
+        if payload.get("v") != PAYLOAD_VERSION:
+            raise _bad("v", payload.get("v"), f"unsupported payload version (want {PAYLOAD_VERSION})")
+        known = {"v", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
+                 "min_p", "seed", "stop", "metadata"}
+        unknown = sorted(str(k) for k in payload if k not in known)
+        if unknown:
+            raise _bad("payload", unknown, "unknown fields")
+        sampling = SamplingParams(
+            temperature=payload.get("temperature", 0.0),
+            top_p=payload.get("top_p", 1.0),
+            top_k=payload.get("top_k", 0),
+            min_p=payload.get("min_p", 0.0),
+            seed=payload.get("seed"),
+        )
+        return cls(
+            prompt=payload.get("prompt"),
+            messages=payload.get("messages"),
+            max_tokens=payload.get("max_tokens", 256),
+            sampling=sampling,
+            stop=payload.get("stop") or (),
+            metadata=payload.get("metadata"),
+            max_tokens_cap=max_tokens_cap,
+        )
