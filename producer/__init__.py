@@ -1,0 +1,27 @@
+"""mlxq for producers: submit generation jobs, stream their tokens, read results.
+
+Imports neither MLX nor mlx-lm: it runs in any web backend.
+"""
+
+from mlxq.producer.aio import AsyncClient, AsyncJob
+from mlxq.producer.client import Client, Job, QueueFull, Result
+from mlxq.producer.codec import Chunk
+from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
+from mlxq.producer.params import GenerationRequest, SamplingParams
+
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "Chunk",
+    "Client",
+    "GenerationRequest",
+    "Job",
+    "JobFailed",
+    "JobTimeout",
+    "MlxqError",
+    "NoSuchJob",
+    "PayloadError",
+    "QueueFull",
+    "Result",
+    "SamplingParams",
+]

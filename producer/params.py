@@ -203,7 +203,7 @@ class GenerationRequest:
         if not isinstance(payload, Mapping):
             raise _bad("payload", payload, "must be a map")
         if payload.get("v") != PAYLOAD_VERSION:
-            raise _bad("v", payload.get("v"), f"unsupported payload version (want {PAYLOAD_VERSION})")
+            raise _bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
         known = {"v", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
                  "min_p", "seed", "stop", "metadata"}
         unknown = sorted(str(k) for k in payload if k not in known)

@@ -1,0 +1,39 @@
+# The two commands a new user needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed')
+
+.PHONY: install demo test lint unit bench soak clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Dependencies once (and when pyproject changes), then this checkout as a regular
+# install, so tests exercise the package exactly as users get it.
+$(VENV)/.deps: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q '.[worker,dev]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.deps $(SOURCES)
+	$(BIN)/python -m pip install -q --no-deps --force-reinstall .
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(BIN)/ruff check producer worker batching tests ops
+	cd $(VENV) && ../$(BIN)/mypy -p mlxq.producer -p mlxq.batching -p mlxq.worker
+
+test: install lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+demo: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/demo.py
+
+bench: install
+	$(BIN)/python ops/bench_sampler.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

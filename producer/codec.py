@@ -1,0 +1,107 @@
+"""The one message codec: msgpack for rq's job data and results, and for stream chunks.
+
+Nothing mlxq reads from Redis is ever unpickled: rq is handed
+:class:`MsgpackSerializer` on both sides, and chunks are msgpack maps checked
+field by field on decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from mlxq.producer.errors import PayloadError
+
+#: What a chunk is. ``tokens`` carries text; ``error`` ends a failed job;
+#: ``reset`` says a new attempt starts and text from earlier attempts is void.
+CHUNK_KINDS = ("tokens", "error", "reset")
+FINISH_REASONS = ("stop", "length", "canceled", "error")
+
+
+class MsgpackSerializer:
+    """rq serializer (any object with ``dumps``/``loads``); tuples come back as lists."""
+
+    @staticmethod
+    def dumps(obj: Any) -> bytes:
+        return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of one job's output, as streamed.
+
+    Attributes:
+        seq: 1, 2, 3... per job, across attempts; listeners dedupe and order by it.
+        text: Text decoded from ``token_ids`` (never a split multi-byte character).
+        token_ids: The tokens this chunk adds.
+        finish_reason: None except on the job's last chunk: ``"stop"``,
+            ``"length"``, ``"canceled"`` or ``"error"``.
+        kind: ``"tokens"``, ``"error"`` (``error`` says why) or ``"reset"``.
+        attempt: Which run of the job made it (1 unless the job was re-run).
+        usage: On the last chunk, ``{"prompt_tokens", "completion_tokens"}``.
+        error: The failure reason, for ``kind == "error"``.
+    """
+
+    seq: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    kind: str = "tokens"
+    attempt: int = 1
+    usage: dict[str, int] | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+def encode_chunk(c: Chunk) -> bytes:
+    m: dict[str, Any] = {"s": c.seq, "k": c.kind, "a": c.attempt, "t": c.text, "i": c.token_ids}
+    if c.finish_reason is not None:
+        m["f"] = c.finish_reason
+    if c.usage is not None:
+        m["u"] = c.usage
+    if c.error is not None:
+        m["e"] = c.error
+    return msgpack.packb(m, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode_chunk(data: bytes) -> Chunk:
+    """Decode and check a chunk read from Redis.
+
+    Raises:
+        PayloadError: if the bytes are not a well-formed chunk.
+    """
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise PayloadError(f"chunk: undecodable msgpack ({e})") from None
+    if not isinstance(m, dict):
+        raise PayloadError(f"chunk={m!r}: must be a map")
+    seq, kind, attempt = m.get("s"), m.get("k"), m.get("a", 1)
+    text, ids, fin = m.get("t", ""), m.get("i", []), m.get("f")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise PayloadError(f"chunk.seq={seq!r}: must be an integer >= 1")
+    if kind not in CHUNK_KINDS:
+        raise PayloadError(f"chunk.kind={kind!r}: must be one of {CHUNK_KINDS}")
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
+        raise PayloadError(f"chunk.attempt={attempt!r}: must be an integer >= 1")
+    if not isinstance(text, str):
+        raise PayloadError(f"chunk.text={text!r}: must be a string")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise PayloadError(f"chunk.token_ids={ids!r}: must be a list of integers")
+    if fin is not None and fin not in FINISH_REASONS:
+        raise PayloadError(f"chunk.finish_reason={fin!r}: must be one of {FINISH_REASONS}")
+    usage, error = m.get("u"), m.get("e")
+    if usage is not None and not isinstance(usage, dict):
+        raise PayloadError(f"chunk.usage={usage!r}: must be a map")
+    if error is not None and not isinstance(error, str):
+        raise PayloadError(f"chunk.error={error!r}: must be a string")
+    return Chunk(seq, text, ids, fin, kind, attempt, usage, error)

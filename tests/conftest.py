@@ -1,0 +1,153 @@
+"""Shared fixtures: a private redis-server, the tiny model, real worker processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server on a free port; ``restart()`` keeps the port."""
+
+    def __init__(self, workdir: Path) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server not found: install Redis (e.g. apt-get install redis-server)")
+        self.exe, self.workdir, self.port = exe, workdir, _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.025)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(redis_server.url)
+
+
+@pytest.fixture
+def queue_name() -> str:
+    """A queue of the test's own, so tests never see each other's jobs."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxq.worker.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+class WorkerProcess:
+    """``mlxq worker`` as a real process, with its log kept for failures."""
+
+    def __init__(self, args: list[str], log: Path, redis_url: str, queue: str) -> None:
+        self.log = log
+        self.redis = redis.Redis.from_url(redis_url)
+        self.queue = queue
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlxq.producer.cli", "worker", *args],
+                                     stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        from rq import Worker
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.output()}")
+            if any(self.queue in w.queue_names() for w in Worker.all(connection=self.redis)):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"worker not ready in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+WorkerFactory = Callable[..., WorkerProcess]
+
+
+@pytest.fixture
+def start_worker(redis_server: RedisServer, tiny_model: Path, tmp_path: Path,
+                 queue_name: str) -> Iterator[WorkerFactory]:
+    """Start real workers: ``start_worker(max_batch=8, window_ms=50)``."""
+    started: list[WorkerProcess] = []
+
+    def start(queue: str | None = None, ready: bool = True, **opts: object) -> WorkerProcess:
+        q = queue or queue_name
+        args = ["--model", str(tiny_model), "--redis-url", redis_server.url, "--queue", q]
+        for k, v in opts.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        w = WorkerProcess(args, tmp_path / f"worker{len(started)}.log", redis_server.url, q)
+        started.append(w)
+        if ready:
+            w.wait_ready()
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
