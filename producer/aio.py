@@ -48,9 +48,12 @@ class AsyncJob:
                     yield c
                 if cur.done:
                     return
-                end = await asyncio.to_thread(self._job.end_without_final, cur.last)
-                if end is not None:
-                    for c in cur.accept_all([*await self._replay(cur.last), end]):
+                if await asyncio.to_thread(self._job.end_without_final, cur) is not None:
+                    for c in cur.accept_all(await self._replay(cur.last)):
+                        yield c
+                    end = None if cur.done else await asyncio.to_thread(
+                        self._job.end_without_final, cur)
+                    for c in cur.accept_all([end] if end else []):
                         yield c
                     return
                 while (msg := await pubsub.get_message(timeout=cur.wait())) is not None:

@@ -107,6 +107,8 @@ class StreamCursor:
         self.last = 0
         self.done = False
         self.shown = False
+        self.text = ""  # what the caller was shown since the last reset
+        self.num_tokens = 0
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -138,10 +140,12 @@ class StreamCursor:
             self.last = c.seq
             if c.kind == "reset":
                 if self.shown:  # the caller saw text that is now void: tell it to clear
-                    self.shown = False
+                    self.shown, self.text, self.num_tokens = False, "", 0
                     yield c
                 continue
             self.shown = True
+            self.text += c.text
+            self.num_tokens += len(c.token_ids)
             if c.kind == "error":
                 self.done = True
                 raise JobFailed(self.job_id, c.error or "unknown")
@@ -211,8 +215,11 @@ class Job:
                     yield c
                 if cur.done:
                     return
-                if (end := self.end_without_final(cur.last)) is not None:
-                    yield from cur.accept_all([*self.replay(cur.last), end])
+                if self.end_without_final(cur) is not None:
+                    # Ended: read the log once more, then close with whatever it lacks.
+                    yield from cur.accept_all(self.replay(cur.last))
+                    end = None if cur.done else self.end_without_final(cur)
+                    yield from cur.accept_all([end] if end else [])
                     return
                 while (msg := pubsub.get_message(timeout=cur.wait())) is not None:
                     c = decode_chunk(msg["data"])
@@ -229,9 +236,10 @@ class Job:
         entries = self._client.redis.xrange(keys.stream_key(self.id), min=f"0-{after + 1}")
         return [decode_chunk(fields[b"c"]) for _, fields in entries]
 
-    def end_without_final(self, last: int) -> Chunk | None:
-        """For a job that ended with no last chunk in its log (canceled while queued,
-        failed before a worker wrote to it): the chunk that ends its stream.
+    def end_without_final(self, cur: StreamCursor) -> Chunk | None:
+        """The chunk that ends the stream of a job that ended with no last chunk in
+        its log yet: canceled while queued, failed before a worker wrote to it, or
+        finished a moment before its last chunk was written. None while it runs.
 
         Raises:
             JobFailed: it failed.
@@ -241,11 +249,14 @@ class Job:
         except NoSuchJob:
             raise JobFailed(self.id, "job expired or never existed") from None
         if st == "failed":
-            if any(c.final for c in self.replay(last)):
-                return None
             raise JobFailed(self.id, self.failure_reason())
         if st == "canceled":
-            return Chunk(seq=last + 1, finish_reason="canceled")
+            return Chunk(seq=cur.last + 1, finish_reason="canceled")
+        if st == "finished":
+            res = Result.from_value(self._rq().return_value())
+            return Chunk(seq=cur.last + 1, text=res.text[len(cur.text):],
+                         token_ids=res.token_ids[cur.num_tokens:],
+                         finish_reason=res.finish_reason, usage=res.usage)
         return None
 
     def result(self, timeout: float | None = None) -> Result:

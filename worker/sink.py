@@ -54,6 +54,8 @@ class Sink:
         self.stream_ttl = stream_ttl
         self.on_error = on_error
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._actions_pending = 0
         self._thread = threading.Thread(target=self._run, name="mlxq-sink", daemon=True)
         self._thread.start()
 
@@ -63,7 +65,14 @@ class Sink:
 
     def then(self, action: Callable[[], None]) -> None:
         """Run ``action`` on the writer thread once everything put before it is written."""
+        with self._lock:
+            self._actions_pending += 1
         self._q.put(action)
+
+    @property
+    def actions_pending(self) -> int:
+        """Actions handed over and not yet run (job ends not yet committed to rq)."""
+        return self._actions_pending
 
     def close(self, timeout: float = 30.0) -> None:
         self._q.put(None)
@@ -86,6 +95,8 @@ class Sink:
                     self._write(batch)
                     batch = []
                     self._retry(item)
+                    with self._lock:
+                        self._actions_pending -= 1
                 else:
                     batch.extend(item)
             self._write(batch)

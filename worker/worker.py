@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -201,7 +202,9 @@ class Worker:
         self.pending[job.id] = (Pending(job.id, req.sampling.key(), self.steps), job, req)
 
     def _admit(self) -> None:
-        free = self.engine.free_slots
+        # A row is free once its job's end is committed to rq, so rq never shows more
+        # started jobs than max_batch.
+        free = self.engine.free_slots - self.sink.actions_pending
         if not self.pending or free <= 0:
             return
         running = Counter(r.request.sampling.key() for r in self.running.values())
@@ -247,40 +250,44 @@ class Worker:
             self.engine.reset()
             return
         self.steps += 1
-        outs = []
+        outs, ended = [], []
         for ev in events:
             r = self.running.get(ev.job_id)
-            if r is None:
-                continue
-            if not (ev.text or ev.token_ids or ev.finish_reason):
+            if r is None or not (ev.text or ev.token_ids or ev.finish_reason):
                 continue
             r.seq += 1
             r.text.append(ev.text)
             r.token_ids.extend(ev.token_ids)
-            outs.append(Out(ev.job_id, Chunk(r.seq, ev.text, ev.token_ids, ev.finish_reason,
-                                             attempt=r.attempt, usage=ev.usage)))
-            if ev.finish_reason is not None:
-                self._finish(r, ev)
+            chunk = Chunk(r.seq, ev.text, ev.token_ids, ev.finish_reason, attempt=r.attempt,
+                          usage=ev.usage)
+            if ev.finish_reason is None:
+                outs.append(Out(ev.job_id, chunk))
+            else:
+                ended.append((r, chunk))
         self.sink.put(outs)
+        for r, chunk in ended:
+            self.jobs_done["finished"] += 1
+            self._end(r, chunk, partial(self._commit_success, r, chunk))
 
-    def _finish(self, r: Running, ev: Event) -> None:
-        del self.running[r.job.id]
-        self.jobs_done["finished"] += 1
-        self.sink.then(partial(self._commit_success, r, ev))
+    def _end(self, r: Running, final: Chunk, commit: Callable[[], None]) -> None:
+        """Commit a job's end to rq, then write its last chunk: whoever sees the last
+        chunk finds the job's final state and result."""
+        self.running.pop(r.job.id, None)
+        self.sink.then(commit)
+        self.sink.put([Out(r.job.id, final)])
 
-    def _commit_success(self, r: Running, ev: Event) -> None:
+    def _commit_success(self, r: Running, final: Chunk) -> None:
         # Built from the very chunks streamed, so streamed text joined equals the result.
         self.rq.succeed(r, {"text": "".join(r.text), "token_ids": r.token_ids,
-                            "finish_reason": ev.finish_reason, "usage": ev.usage})
+                            "finish_reason": final.finish_reason, "usage": final.usage})
 
     def _fail(self, r: Running, reason: str) -> None:
-        self.running.pop(r.job.id, None)
         self.engine.remove([r.job.id])
         self.jobs_done["failed"] += 1
         r.seq += 1
-        self.sink.put([Out(r.job.id, Chunk(r.seq, kind="error", finish_reason="error",
-                                           attempt=r.attempt, error=reason))])
-        self.sink.then(partial(self.rq.fail, r, reason))
+        final = Chunk(r.seq, kind="error", finish_reason="error", attempt=r.attempt,
+                      error=reason)
+        self._end(r, final, partial(self.rq.fail, r, reason))
 
     # -- cancels -----------------------------------------------------------------------
 
@@ -302,13 +309,12 @@ class Worker:
                 self.rq.drop_unstarted(job_id)
                 self.redis.srem(keys.cancel_set(self.config.queue), job_id)
             elif job_id in self.running:
-                r = self.running.pop(job_id)
+                r = self.running[job_id]
                 self.engine.remove([job_id])
                 self.jobs_done["canceled"] += 1
                 r.seq += 1
-                self.sink.put([Out(job_id, Chunk(r.seq, finish_reason="canceled",
-                                                 attempt=r.attempt))])
-                self.sink.then(partial(self.rq.cancel, r))
+                final = Chunk(r.seq, finish_reason="canceled", attempt=r.attempt)
+                self._end(r, final, partial(self.rq.cancel, r))
 
     # -- housekeeping ------------------------------------------------------------------
 
