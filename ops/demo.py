@@ -88,7 +88,7 @@ class Board:
                 return
             width = shutil.get_terminal_size().columns - 24
             sys.stdout.write(f"\x1b[{len(self.labels)}F")
-            for label, t, d in zip(self.labels, self.texts, self.done):
+            for label, t, d in zip(self.labels, self.texts, self.done, strict=True):
                 line = (t.replace("\n", " ") + d)[-width:]
                 sys.stdout.write(f"\x1b[2K{label:>20} | {line}\n")
             sys.stdout.flush()

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from mlxq.producer import keys
 from mlxq.producer.client import DEFAULT_REDIS_URL, TERMINAL, Client, Job, Result, StreamCursor
-from mlxq.producer.codec import Chunk, decode_chunk
+from mlxq.producer.codec import Chunk, decode_chunk, decode_entries
 from mlxq.producer.errors import JobTimeout
 
 
@@ -68,8 +68,8 @@ class AsyncJob:
             await pubsub.aclose()
 
     async def _replay(self, after: int) -> list[Chunk]:
-        entries = await self._client.aredis.xrange(keys.stream_key(self.id), min=f"0-{after + 1}")
-        return [decode_chunk(fields[b"c"]) for _, fields in entries]
+        return decode_entries(
+            await self._client.aredis.xrange(keys.stream_key(self.id), min=f"0-{after + 1}"))
 
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the end and return the output; see :meth:`Job.result`."""

@@ -15,9 +15,10 @@ from rq import Queue
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job as RqJob
 from rq.job import JobStatus
+from rq.utils import as_text
 
 from mlxq.producer import keys
-from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_chunk
+from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_chunk, decode_entries
 from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob
 from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, SamplingParams
 
@@ -179,7 +180,7 @@ class Job:
         raw = self._client.redis.hget(f"rq:job:{self.id}", "status")
         if raw is None:
             raise NoSuchJob(self.id)
-        return _STATUS.get(JobStatus(raw.decode()), "queued")
+        return _STATUS.get(JobStatus(as_text(raw)), "queued")
 
     def failure_reason(self) -> str:
         """Why a failed job failed (the worker's one-line reason), or ``"canceled"``."""
@@ -233,8 +234,8 @@ class Job:
 
     def replay(self, after: int) -> list[Chunk]:
         """The job's logged chunks with ``seq > after``."""
-        entries = self._client.redis.xrange(keys.stream_key(self.id), min=f"0-{after + 1}")
-        return [decode_chunk(fields[b"c"]) for _, fields in entries]
+        return decode_entries(
+            self._client.redis.xrange(keys.stream_key(self.id), min=f"0-{after + 1}"))
 
     def end_without_final(self, cur: StreamCursor) -> Chunk | None:
         """The chunk that ends the stream of a job that ended with no last chunk in

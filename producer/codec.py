@@ -73,6 +73,11 @@ def encode_chunk(c: Chunk) -> bytes:
     return msgpack.packb(m, use_bin_type=True)  # type: ignore[no-any-return]
 
 
+def decode_entries(entries: Any) -> list[Chunk]:
+    """Chunks from an XRANGE / XREVRANGE reply of a job's replay log."""
+    return [decode_chunk(fields[b"c"]) for _, fields in entries or ()]
+
+
 def decode_chunk(data: bytes) -> Chunk:
     """Decode and check a chunk read from Redis.
 

@@ -64,7 +64,7 @@ class RowSampler:
         if self._rows is None or logprobs.shape[0] != len(self._uids):
             raise RuntimeError(f"sampler bound to {len(self._uids)} rows, got {logprobs.shape[0]}")
         self.calls += 1
-        tokens = sample(logprobs, self._rows, self._positions + self._calls_bound)
+        tokens: mx.array = sample(logprobs, self._rows, self._positions + self._calls_bound)
         self._calls_bound += 1
         return tokens
 
@@ -166,8 +166,8 @@ class Engine:
         """Load any mlx-lm model path or Hugging Face repo id."""
         from mlx_lm import load
 
-        model, tokenizer = load(path_or_repo)
-        return cls(model, tokenizer, **kw)
+        loaded = load(path_or_repo)
+        return cls(loaded[0], loaded[1], **kw)
 
     def reset(self) -> None:
         """Drop every row and start a fresh generator (after an MLX error)."""

@@ -97,8 +97,9 @@ class RqBridge:
         A job whose hash rq cannot even restore is failed here by id.
         """
         try:
-            got = Queue.dequeue_any([self.queue], timeout, connection=self.redis,
-                                    serializer=MsgpackSerializer)
+            # rq annotates int, but hands the timeout to BLMOVE, which takes fractions.
+            got = Queue.dequeue_any([self.queue], timeout,  # type: ignore[arg-type]
+                                    connection=self.redis, serializer=MsgpackSerializer)
         except DequeueTimeout:
             return None
         except (redis.ConnectionError, redis.TimeoutError):

@@ -23,13 +23,14 @@ from typing import Any
 
 import redis
 from rq.job import Job
+from rq.utils import as_text
 
 from mlxq.batching.admission import AdmissionPolicy, Pending, Window, admit
 from mlxq.producer import keys
-from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_chunk
+from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_entries
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest
-from mlxq.worker.engine import Engine, Event
+from mlxq.worker.engine import Engine
 from mlxq.worker.rqbridge import RqBridge, Running, decode_job
 from mlxq.worker.sink import DEFAULT_STREAM_TTL, Out, Sink
 
@@ -230,10 +231,10 @@ class Worker:
     def _resume_stream(self, r: Running) -> None:
         # A re-run job (its worker died, or it was requeued) continues its log's
         # numbering and tells listeners to drop what the earlier attempt streamed.
-        last = self.redis.xrevrange(keys.stream_key(r.job.id), count=1)
+        last = decode_entries(self.redis.xrevrange(keys.stream_key(r.job.id), count=1))
         if not last:
             return
-        prev = decode_chunk(last[0][1][b"c"])
+        prev = last[0]
         r.seq, r.attempt = prev.seq + 1, prev.attempt + 1
         self.sink.put([Out(r.job.id, Chunk(r.seq, kind="reset", attempt=r.attempt))])
 
@@ -298,7 +299,7 @@ class Worker:
     def _load_cancels(self) -> None:
         ids = self.redis.smembers(keys.cancel_set(self.config.queue))
         with self._cancel_lock:
-            self._cancels.update(i.decode() for i in ids)
+            self._cancels.update(as_text(i) for i in ids)
 
     def _apply_cancels(self) -> None:
         with self._cancel_lock:

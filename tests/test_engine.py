@@ -1,0 +1,114 @@
+"""The MLX engine on the tiny model: row alignment, seeded rows, text assembly."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.producer.params import GenerationRequest, SamplingParams
+
+mlx_lm = pytest.importorskip("mlx_lm")
+
+from mlxq.worker.engine import Engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return mlx_lm.load(str(tiny_model))
+
+
+def _engine(loaded, max_batch=8) -> Engine:
+    model, tok = loaded
+    return Engine(model, tok, max_batch=max_batch)
+
+
+def _req(prompt: str, n: int, **sp) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, max_tokens=n, sampling=SamplingParams(**sp))
+
+
+def _run(engine: Engine, jobs: dict[str, GenerationRequest], *, remove_after=None,
+         add_later=None) -> dict[str, list[int]]:
+    """Run jobs to the end; optionally remove some after N steps and add others then."""
+    out: dict[str, list[int]] = {j: [] for j in jobs}
+    for j, req in jobs.items():
+        engine.add(j, req, engine.encode(req))
+    steps = 0
+    while engine.active:
+        for ev in engine.step():
+            out[ev.job_id].extend(ev.token_ids)
+        steps += 1
+        if remove_after and steps == remove_after[0]:
+            engine.remove(remove_after[1])
+        if add_later and steps == add_later[0]:
+            for j, req in add_later[1].items():
+                out[j] = []
+                engine.add(j, req, engine.encode(req))
+    return out
+
+
+def _solo(loaded, name: str, req: GenerationRequest) -> list[int]:
+    return _run(_engine(loaded), {name: req})[name]
+
+
+def test_rows_keep_their_own_params_through_remove_then_extend(loaded):
+    greedy = _req("The harbour at dawn", 24)
+    seeded = _req("A list of numbers", 24, temperature=1.0, top_k=50, seed=1234)
+    hot = _req("Something else", 40, temperature=1.5)
+    newcomer = _req("The harbour at dawn", 24)  # greedy: any stale row state would show
+    late_seeded = _req("Late arrival", 16, temperature=0.9, top_p=0.95, seed=99)
+    engine = _engine(loaded)
+    got = _run(engine, {"greedy": greedy, "seeded": seeded, "hot": hot},
+               remove_after=(5, ["hot"]),
+               add_later=(6, {"new": newcomer, "late": late_seeded}))
+    assert got["greedy"] == _solo(loaded, "g", greedy)
+    assert got["seeded"] == _solo(loaded, "s", seeded)
+    assert got["new"] == _solo(loaded, "n", newcomer)
+    assert got["late"] == _solo(loaded, "l", late_seeded)
+    c = engine.counters
+    assert c.vectorized_steps == c.decode_steps == c.sampler_calls > 0
+
+
+def test_rows_finishing_at_different_steps_stay_aligned(loaded):
+    jobs = {f"j{i}": _req(f"Prompt number {i}", 3 + 5 * i, seed=i, temperature=0.8)
+            for i in range(5)}
+    got = _run(_engine(loaded), jobs)
+    for name, req in jobs.items():
+        assert got[name] == _solo(loaded, name, req)
+        assert len(got[name]) <= req.max_tokens
+
+
+def test_multibyte_text_is_never_split(loaded):
+    model, tok = loaded
+    engine = _engine(loaded)
+    text = "naïve café 日本語です 😀 ok"
+    req = _req("x", 64)
+    engine.add("mb", req, engine.encode(req))
+    (uid,) = list(engine._rows)
+    pieces = []
+    for t in tok.encode(text, add_special_tokens=False):
+        ev = engine._on_token(uid, t, None)
+        pieces.append(ev.text)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+
+
+def test_stop_strings_end_the_row_and_are_not_emitted(loaded):
+    model, tok = loaded
+    engine = _engine(loaded)
+    req = GenerationRequest(prompt="x", max_tokens=64, stop=("STOP",))
+    engine.add("s", req, engine.encode(req))
+    (uid,) = list(engine._rows)
+    texts, fin = [], None
+    for t in tok.encode("one two STOP three", add_special_tokens=False):
+        ev = engine._on_token(uid, t, None)
+        texts.append(ev.text)
+        if ev.finish_reason:
+            fin = ev.finish_reason
+            break
+    assert fin == "stop" and "".join(texts) == "one two "
+    assert engine.active == 0
+
+
+def test_prompt_longer_than_the_context_is_refused(loaded):
+    engine = _engine(loaded)
+    with pytest.raises(ValueError, match="context"):
+        engine.encode(_req("word " * 3000, 16))

@@ -1,0 +1,82 @@
+"""The producer side without a worker: imports, payload schema, codec."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlxq.producer.codec import Chunk, decode_chunk, encode_chunk
+from mlxq.producer.errors import PayloadError
+from mlxq.producer.params import GenerationRequest, SamplingParams
+
+
+def test_producer_imports_no_mlx():
+    code = ("import sys, mlxq.producer, mlxq.producer.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_worker_without_mlx_says_what_to_install():
+    # Hide MLX from this interpreter, as on a producer-only install.
+    code = ("import sys; sys.modules['mlx'] = None; sys.modules['mlx.core'] = None; "
+            "sys.modules['mlx_lm'] = None; from mlxq.producer.cli import main; "
+            "sys.exit(main(['worker', '--model', 'x']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "pip install 'mlxq[worker]'" in out.stderr
+
+
+def test_payload_round_trip():
+    req = GenerationRequest(messages=({"role": "user", "content": "hi"},), max_tokens=9,
+                            sampling=SamplingParams(0.7, 0.9, 40, 0.05, seed=3),
+                            stop=("\n\n",), metadata={"k": [1, 2]})
+    wire = msgpack.unpackb(msgpack.packb(req.to_payload()))
+    assert GenerationRequest.from_payload(wire) == req
+
+
+def test_greedy_params_share_one_key_and_seed_never_splits_a_batch():
+    assert SamplingParams(0.0, 0.5, 3).key() == SamplingParams().key()
+    assert SamplingParams(0.7, seed=1).key() == SamplingParams(0.7, seed=2).key()
+
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+fields = st.fixed_dictionaries({"v": st.just(1)}, optional={
+    "prompt": json_like, "messages": json_like, "max_tokens": json_like,
+    "temperature": json_like, "top_p": json_like, "top_k": json_like, "min_p": json_like,
+    "seed": json_like, "stop": json_like, "metadata": json_like})
+
+
+@given(st.one_of(json_like, fields))
+def test_payload_decoder_accepts_or_names_the_problem(obj):
+    try:
+        req = GenerationRequest.from_payload(obj)
+    except PayloadError as e:
+        assert "=" in str(e) or ":" in str(e)
+    else:
+        assert GenerationRequest.from_payload(req.to_payload()) == req
+
+
+@given(st.binary(max_size=64))
+def test_chunk_decoder_never_crashes_on_garbage(data):
+    try:
+        decode_chunk(data)
+    except PayloadError:
+        pass
+
+
+def test_chunk_round_trip():
+    c = Chunk(3, "héllo", [1, 2], "length", usage={"prompt_tokens": 1, "completion_tokens": 2})
+    assert decode_chunk(encode_chunk(c)) == c
+    with pytest.raises(PayloadError, match="chunk.seq=0"):
+        decode_chunk(msgpack.packb({"s": 0, "k": "tokens"}))
