@@ -77,7 +77,7 @@ def test_rows_finishing_at_different_steps_stay_aligned(loaded):
 
 
 def test_multibyte_text_is_never_split(loaded):
-    model, tok = loaded
+    _, tok = loaded
     engine = _engine(loaded)
     text = "naïve café 日本語です 😀 ok"
     req = _req("x", 64)
@@ -92,7 +92,7 @@ def test_multibyte_text_is_never_split(loaded):
 
 
 def test_stop_strings_end_the_row_and_are_not_emitted(loaded):
-    model, tok = loaded
+    _, tok = loaded
     engine = _engine(loaded)
     req = GenerationRequest(prompt="x", max_tokens=64, stop=("STOP",))
     engine.add("s", req, engine.encode(req))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -69,14 +70,12 @@ def test_payload_decoder_accepts_or_names_the_problem(obj):
 
 @given(st.binary(max_size=64))
 def test_chunk_decoder_never_crashes_on_garbage(data):
-    try:
+    with contextlib.suppress(PayloadError):
         decode_chunk(data)
-    except PayloadError:
-        pass
 
 
 def test_chunk_round_trip():
     c = Chunk(3, "héllo", [1, 2], "length", usage={"prompt_tokens": 1, "completion_tokens": 2})
     assert decode_chunk(encode_chunk(c)) == c
-    with pytest.raises(PayloadError, match="chunk.seq=0"):
+    with pytest.raises(PayloadError, match=r"chunk\.seq=0"):
         decode_chunk(msgpack.packb({"s": 0, "k": "tokens"}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -42,7 +44,7 @@ alphabet = st.text(alphabet="abE N日😀", max_size=40)
        stops=st.lists(st.text(alphabet="abE N日😀", min_size=1, max_size=4), max_size=3))
 def test_streamed_text_is_the_text_up_to_the_first_stop(text, cuts, stops):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out, hit = _run(pieces, stops)
     joined = "".join(out)
     firsts = [i for i in (text.find(s) for s in stops) if i >= 0]
