@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check producer worker batching tests ops
-	cd $(VENV) && ../$(BIN)/mypy -p mlxq.producer -p mlxq.batching -p mlxq.worker
+	cd $(VENV) && bin/mypy --config-file ../pyproject.toml -p mlxq.producer -p mlxq.batching -p mlxq.worker
 
 test: install lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import redis
 from rq import Queue, Worker
@@ -39,7 +39,7 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
     workers = []
     for w in sorted(Worker.all(connection=connection), key=lambda w: w.name):
         raw = connection.hget(keys.worker_stats_key(w.name), "stats")
-        stats: dict[str, Any] = MsgpackSerializer.loads(raw) if raw else {}
+        stats: dict[str, Any] = MsgpackSerializer.loads(cast(bytes, raw)) if raw else {}
         entry: dict[str, Any] = {
             "name": w.name,
             "state": w.get_state(),

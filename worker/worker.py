@@ -246,8 +246,8 @@ class Worker:
         except Exception as e:
             # An MLX error poisons the whole batch state: fail its jobs, start afresh.
             log.exception("engine step failed; failing %d jobs", len(self.running))
-            for r in list(self.running.values()):
-                self._fail(r, f"engine error: {type(e).__name__}: {e}")
+            for held in list(self.running.values()):
+                self._fail(held, f"engine error: {type(e).__name__}: {e}")
             self.engine.reset()
             return
         self.steps += 1
