@@ -83,6 +83,8 @@ def build_request(
     stop: str | Sequence[str] = (),
     seed: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+    ttl: float | None = None,
     max_tokens_cap: int = MAX_TOKENS_CAP,
 ) -> GenerationRequest:
     """Check a submit's arguments; see :meth:`Client.submit`."""
@@ -93,6 +95,8 @@ def build_request(
         sampling=SamplingParams(temperature, top_p, top_k, min_p, seed),
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         metadata=dict(metadata) if metadata is not None else None,
+        timeout=timeout,
+        ttl=ttl,
         max_tokens_cap=max_tokens_cap,
     )
 
@@ -360,6 +364,8 @@ class Client:
         stop: str | Sequence[str] = (),
         seed: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        ttl: float | None = None,
     ) -> Job:
         """Queue one generation job.
 
@@ -375,6 +381,10 @@ class Client:
             stop: Strings that end the completion (not included in the text).
             seed: Per-job seed: the same tokens whether the job runs alone or batched.
             metadata: Your own map, stored with the job.
+            timeout: Seconds the job may run once started; past it, it fails
+                ("timeout: ..."). None: no limit.
+            ttl: Seconds the job may wait in the queue; a job not started by then
+                fails ("ttl expired: ..."). None: no limit.
 
         Returns:
             The job's handle.
@@ -386,7 +396,8 @@ class Client:
         """
         return self.submit_many([dict(prompt=prompt, messages=messages, max_tokens=max_tokens,
                                       temperature=temperature, top_p=top_p, top_k=top_k,
-                                      min_p=min_p, stop=stop, seed=seed, metadata=metadata)])[0]
+                                      min_p=min_p, stop=stop, seed=seed, metadata=metadata,
+                                      timeout=timeout, ttl=ttl)])[0]
 
     def submit_many(self, jobs: Sequence[Mapping[str, Any]]) -> list[Job]:
         """Queue many jobs in one pipelined round trip; each map holds

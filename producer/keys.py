@@ -37,3 +37,24 @@ def cancel_set(queue: str) -> str:
     """Running jobs asked to cancel and not yet seen by a worker (the durable twin
     of :func:`cancel_channel`, for a worker that was reconnecting)."""
     return f"{PREFIX}:cancels:{queue}"
+
+
+def wip_key(worker_name: str) -> str:
+    """Every job a worker holds (buffered or running), moved there atomically from the
+    queue; a dead worker's list is how its jobs are found and requeued."""
+    return f"{PREFIX}:wip:{worker_name}"
+
+
+def alive_key(worker_name: str) -> str:
+    """Set with a short expiry by a live worker's heartbeat thread; value ``host:pid``."""
+    return f"{PREFIX}:alive:{worker_name}"
+
+
+def workers_key(queue: str) -> str:
+    """Names of the mlxq workers serving ``queue``, dead or alive (the reaper's roll)."""
+    return f"{PREFIX}:workers:{queue}"
+
+
+def reap_lock(worker_name: str) -> str:
+    """Held by the one worker that requeues a dead worker's jobs."""
+    return f"{PREFIX}:reaping:{worker_name}"

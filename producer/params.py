@@ -23,6 +23,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1_024
 MAX_SEED = 2**63 - 1
+#: Longest ``timeout`` / ``ttl`` a job may ask for, in seconds (a week).
+MAX_DEADLINE_S = 7 * 24 * 3600.0
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 #: A sampling-parameter key: jobs with equal keys can share one plain sampler.
@@ -135,7 +137,9 @@ class GenerationRequest:
     """One generation job: the input, how long, how to sample.
 
     Exactly one of ``prompt`` (raw text, tokenized as is) and ``messages`` (chat,
-    rendered through the model's chat template) is set.
+    rendered through the model's chat template) is set. ``timeout`` bounds the
+    seconds a job may run, ``ttl`` the seconds it may wait in the queue; past
+    either it fails with a reason that says which.
 
     Raises:
         PayloadError: (a ``ValueError``) naming the field and the bad value.
@@ -147,6 +151,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     metadata: dict[str, Any] | None = None
+    timeout: float | None = None
+    ttl: float | None = None
     max_tokens_cap: int = MAX_TOKENS_CAP
 
     def __post_init__(self) -> None:
@@ -169,6 +175,13 @@ class GenerationRequest:
         if not isinstance(self.sampling, SamplingParams):
             raise _bad("sampling", self.sampling, "must be SamplingParams")
         object.__setattr__(self, "stop", _stop(self.stop))
+        for name in ("timeout", "ttl"):
+            value = getattr(self, name)
+            if value is not None:
+                v = _number(name, value)
+                if not 0 < v <= MAX_DEADLINE_S:
+                    raise _bad(name, value, f"must be in (0, {MAX_DEADLINE_S:.0f}] seconds")
+                object.__setattr__(self, name, v)
         if self.metadata is not None and not (
             isinstance(self.metadata, Mapping) and all(isinstance(k, str) for k in self.metadata)
         ):
@@ -189,6 +202,8 @@ class GenerationRequest:
             "seed": s.seed,
             "stop": list(self.stop),
             "metadata": dict(self.metadata) if self.metadata is not None else None,
+            "timeout": self.timeout,
+            "ttl": self.ttl,
         }
 
     @classmethod
@@ -205,7 +220,7 @@ class GenerationRequest:
         if payload.get("v") != PAYLOAD_VERSION:
             raise _bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
         known = {"v", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
-                 "min_p", "seed", "stop", "metadata"}
+                 "min_p", "seed", "stop", "metadata", "timeout", "ttl"}
         unknown = sorted(str(k) for k in payload if k not in known)
         if unknown:
             raise _bad("payload", unknown, "unknown fields")
@@ -223,5 +238,7 @@ class GenerationRequest:
             sampling=sampling,
             stop=payload.get("stop") or (),
             metadata=payload.get("metadata"),
+            timeout=payload.get("timeout"),
+            ttl=payload.get("ttl"),
             max_tokens_cap=max_tokens_cap,
         )

@@ -15,11 +15,11 @@ from typing import Any
 
 import redis
 from rq import Queue
-from rq.exceptions import DequeueTimeout, NoSuchJobError
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
-from rq.utils import now
+from rq.utils import as_text, now
 from rq.worker import SimpleWorker
 
 from mlxq.producer import keys
@@ -28,6 +28,9 @@ from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 
 log = logging.getLogger("mlxq.worker")
+
+#: How long the record of a job that could not even be read is kept.
+UNREADABLE_TTL = 7 * 24 * 3600
 
 
 @dataclass(slots=True)
@@ -39,6 +42,7 @@ class Running:
     request: GenerationRequest
     seq: int = 0
     attempt: int = 1
+    deadline: float | None = None  # time.monotonic() past which it fails (its timeout)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
 
@@ -63,6 +67,11 @@ def decode_job(job: Job, max_tokens_cap: int) -> GenerationRequest:
 class RqBridge:
     """One queue's rq bookkeeping for one mlxq worker.
 
+    Jobs move atomically from rq's queue list into this worker's own WIP list
+    (``mlxq:wip:<name>``), not rq's shared intermediate list, and leave it only
+    when their end is committed: the WIP list is always exactly what the worker
+    holds, so a dead worker's jobs are found and requeued from it.
+
     Args:
         connection: Redis connection.
         queue: Queue name.
@@ -71,6 +80,8 @@ class RqBridge:
 
     def __init__(self, connection: redis.Redis, queue: str, name: str) -> None:
         self.redis = connection
+        self.name = name
+        self.wip = keys.wip_key(name)
         self.queue = Queue(queue, connection=connection, serializer=MsgpackSerializer)
         self.worker = SimpleWorker([self.queue], connection=connection, name=name,
                                    serializer=MsgpackSerializer)
@@ -92,30 +103,35 @@ class RqBridge:
             self.worker.set_state(state)
 
     def dequeue(self, timeout: float | None) -> Job | None:
-        """Move one job id to rq's intermediate list and fetch it; None if none came.
+        """Move one job id from the queue to this worker's WIP list and fetch it.
 
-        A job whose hash rq cannot even restore is failed here by id.
+        Args:
+            timeout: Seconds to block; None does not block.
+
+        Returns:
+            The job, or None when none came (or it could not be read: it is failed).
         """
-        try:
-            # rq annotates int, but hands the timeout to BLMOVE, which takes fractions.
-            got = Queue.dequeue_any([self.queue], timeout,  # type: ignore[arg-type]
-                                    connection=self.redis, serializer=MsgpackSerializer)
-        except DequeueTimeout:
+        if timeout is None:
+            raw = self.redis.lmove(self.queue.key, self.wip, "LEFT", "RIGHT")
+        else:
+            raw = self.redis.blmove(self.queue.key, self.wip, timeout, "LEFT", "RIGHT")
+        if raw is None:
             return None
+        job_id = as_text(raw)
+        try:
+            return Job.fetch(job_id, connection=self.redis, serializer=MsgpackSerializer)
+        except NoSuchJobError:  # deleted while queued
+            self.redis.lrem(self.wip, 1, job_id)
         except (redis.ConnectionError, redis.TimeoutError):
             raise
         except Exception as e:
-            job_id = getattr(e, "job_id", None)
-            if job_id is None:
-                raise
             self._fail_unreadable(job_id, f"unreadable job record: {type(e).__name__}: {e}")
-            return None
-        return got[0] if got else None
+        return None
 
     def start(self, job: Job, request: GenerationRequest) -> Running:
-        """Mark a job started (StartedJobRegistry, status, out of the intermediate list)."""
+        """Mark a job started (StartedJobRegistry, status STARTED)."""
         execution = self.worker.prepare_execution(job)
-        self.worker.prepare_job_execution(job, remove_from_intermediate_queue=True)
+        self.worker.prepare_job_execution(job)
         return Running(job, execution, request)
 
     def succeed(self, r: Running, result: dict[str, Any]) -> None:
@@ -123,30 +139,32 @@ class RqBridge:
         r.job.ended_at = now()
         self.worker.handle_job_success(r.job, self.queue, self.queue.started_job_registry,
                                        r.execution)
+        self.redis.lrem(self.wip, 1, r.job.id)
 
     def fail(self, r: Running, reason: str) -> None:
         r.job.ended_at = now()
         self.worker.handle_job_failure(r.job, self.queue, exc_string=reason,
                                        execution=r.execution)
+        self.redis.lrem(self.wip, 1, r.job.id)
 
     def fail_unstarted(self, job: Job, reason: str) -> None:
-        """Fail a job still in the intermediate list (it never reached the batch)."""
+        """Fail a job that never reached the batch."""
         log.warning("job %s failed before start: %s", job.id, reason)
         with self.redis.pipeline() as p:
-            p.lrem(self.queue.intermediate_queue_key, 1, job.id)
             job.ended_at = now()
             job.set_status(JobStatus.FAILED, pipeline=p)
-            job._handle_failure(reason, pipeline=p, worker_name=self.worker.name)
+            job._handle_failure(reason, pipeline=p, worker_name=self.name)
+            p.lrem(self.wip, 1, job.id)
             p.execute()
 
     def drop_unstarted(self, job_id: str) -> None:
-        """Forget a job still in the intermediate list (it was canceled there)."""
-        self.redis.lrem(self.queue.intermediate_queue_key, 1, job_id)
+        """Forget a buffered job (it was canceled while buffered)."""
+        self.redis.lrem(self.wip, 1, job_id)
 
     def requeue_unstarted(self, job_id: str) -> None:
-        """Give a job from the intermediate list back to the queue's front."""
+        """Give a buffered job back to the queue's front."""
         with self.redis.pipeline() as p:
-            p.lrem(self.queue.intermediate_queue_key, 1, job_id)
+            p.lrem(self.wip, 1, job_id)
             self.queue.push_job_id(job_id, pipeline=p, at_front=True)
             p.execute()
 
@@ -155,6 +173,7 @@ class RqBridge:
         with self.redis.pipeline() as p:
             self.worker.cleanup_execution(r.job, pipeline=p, execution=r.execution)
             r.job.set_status(JobStatus.QUEUED, pipeline=p)
+            p.lrem(self.wip, 1, r.job.id)
             self.queue.push_job_id(r.job.id, pipeline=p, at_front=True)
             p.execute()
 
@@ -167,22 +186,53 @@ class RqBridge:
             r.job.cancel()
         except Exception as e:  # already canceled by the producer's call
             log.debug("cancel of %s: %s", r.job.id, e)
-        self.redis.srem(keys.cancel_set(self.queue.name), r.job.id)
-
-    def is_canceled(self, job: Job) -> bool:
-        try:
-            return job.get_status(refresh=True) in (JobStatus.CANCELED, JobStatus.STOPPED)
-        except NoSuchJobError:
-            return True
+        with self.redis.pipeline() as p:
+            p.srem(keys.cancel_set(self.queue.name), r.job.id)
+            p.lrem(self.wip, 1, r.job.id)
+            p.execute()
 
     def _fail_unreadable(self, job_id: str, reason: str) -> None:
         log.warning("job %s failed: %s", job_id, reason)
         job_key = f"{Job.redis_job_namespace_prefix}{job_id}"
-        with self.redis.pipeline() as p:
-            p.lrem(self.queue.intermediate_queue_key, 1, job_id)
-            p.hset(job_key, mapping={"status": JobStatus.FAILED.value, "exc_info": reason})
-            p.expire(job_key, 7 * 24 * 3600)
-            p.execute()
         registry = FailedJobRegistry(self.queue.name, connection=self.redis,
                                      serializer=MsgpackSerializer)
-        self.redis.zadd(registry.key, {job_id: now().timestamp() + 7 * 24 * 3600})
+        with self.redis.pipeline() as p:
+            p.hset(job_key, mapping={"status": JobStatus.FAILED.value, "exc_info": reason})
+            p.expire(job_key, UNREADABLE_TTL)
+            p.zadd(registry.key, {job_id: now().timestamp() + UNREADABLE_TTL})
+            p.lrem(self.wip, 1, job_id)
+            p.execute()
+
+
+def requeue_orphans(connection: redis.Redis, queue: Queue, dead: str) -> list[str]:
+    """Requeue, at the queue's front in their order, the jobs a dead worker held.
+
+    Jobs that had ended (the worker died between committing and tidying up) are
+    only dropped from its WIP list. The caller holds the dead worker's reap lock.
+
+    Returns:
+        The ids requeued.
+    """
+    wip = keys.wip_key(dead)
+    requeued = []
+    for raw in reversed(connection.lrange(wip, 0, -1)):
+        job_id = as_text(raw)
+        try:
+            job = Job.fetch(job_id, connection=connection, serializer=MsgpackSerializer)
+            status = job.get_status(refresh=False)
+        except NoSuchJobError:
+            connection.lrem(wip, 1, job_id)
+            continue
+        with connection.pipeline() as p:
+            p.lrem(wip, 1, job_id)
+            if status in (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.CREATED):
+                queue.started_job_registry.remove_executions(job, pipeline=p)
+                job.set_status(JobStatus.QUEUED, pipeline=p)
+                queue.push_job_id(job_id, pipeline=p, at_front=True)
+                requeued.append(job_id)
+            p.execute()
+    dead_rq = SimpleWorker([queue], connection=connection, name=dead,
+                           serializer=MsgpackSerializer)
+    if connection.exists(dead_rq.key):
+        dead_rq.register_death()
+    return requeued[::-1]

@@ -23,14 +23,16 @@ from typing import Any
 
 import redis
 from rq.job import Job
-from rq.utils import as_text
+from rq.utils import now as rq_now
 
 from mlxq.batching.admission import AdmissionPolicy, Pending, Window, admit
 from mlxq.producer import keys
 from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_entries
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest
+from mlxq.worker.cancels import CancelListener
 from mlxq.worker.engine import Engine
+from mlxq.worker.liveness import Liveness
 from mlxq.worker.rqbridge import RqBridge, Running, decode_job
 from mlxq.worker.sink import DEFAULT_STREAM_TTL, Out, Sink
 
@@ -46,6 +48,11 @@ DEFAULT_MAX_BATCH = 32
 POLL_S = 0.005
 HEARTBEAT_S = 5.0
 STATS_TTL = 60
+#: How often deadlines (per-job timeout, ttl) are checked.
+DEADLINE_CHECK_S = 0.1
+#: A job started this many times (its worker died or its batch errored each time)
+#: is failed instead of started again: one poison job cannot take workers down forever.
+MAX_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +110,15 @@ class Worker:
         self.window = Window(config.window_ms / 1000, config.max_batch)
         self.pending: dict[str, tuple[Pending, Job, GenerationRequest]] = {}
         self.running: dict[str, Running] = {}
+        self.fresh: set[str] = set()  # admitted since the last good step: suspects if it fails
         self.steps = 0
         self.jobs_done = Counter[str]()
         self._stop = threading.Event()
-        self._cancels: set[str] = set()
-        self._cancel_lock = threading.Lock()
-        self._last_poll = self._last_beat = 0.0
+        self._reaped = threading.Event()
+        self._last_poll = self._last_beat = self._last_deadline_check = 0.0
         self.sink = Sink(self.redis, stream_ttl=config.stream_ttl)
+        self.cancels = CancelListener(self.redis, config.queue)
+        self.liveness = Liveness(self.redis, self.rq.queue, self.name, self._reaped.set)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -121,26 +130,41 @@ class Worker:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         self.rq.register()
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(**{keys.cancel_channel(self.config.queue): self._on_cancel_msg})
-        listener = pubsub.run_in_thread(sleep_time=0.05, daemon=True)
-        self._load_cancels()
+        self.liveness.start()
+        self.cancels.start()
         log.info("worker %s serving queue %r with %s (max_batch=%d, window=%.0f ms)",
                  self.name, self.config.queue, self.config.model, self.config.max_batch,
                  self.config.window_ms)
         try:
-            while not self._stop.is_set():
-                self._turn()
-            self._drain()
+            self._serve(self._turn, until=self._stop.is_set)
+            self._serve(self._drain_turn, until=lambda: not (self.running or self.pending))
         finally:
-            listener.stop()
+            self.cancels.stop()
             self._write_stats("stopped")
             self.sink.close()
+            self.liveness.stop()
             self.rq.unregister()
             log.info("worker %s stopped", self.name)
         return 0
 
+    def _serve(self, turn: Callable[[], None], until: Callable[[], bool]) -> None:
+        """Run turns until ``until()``, riding out Redis restarts and dropped connections:
+        running rows keep decoding meanwhile, their chunks wait in the sink, in order."""
+        delay = 0.05
+        while not until():
+            try:
+                turn()
+                delay = 0.05
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("redis unavailable (%s); retrying in %.2fs", e, delay)
+                if self.running:
+                    self._step()
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     def _turn(self) -> None:
+        if self._reaped.is_set():
+            self._abandon()
         self._fill()
         self._apply_cancels()
         self._admit()
@@ -148,20 +172,39 @@ class Worker:
             self._step()
         self._housekeeping()
 
-    def _drain(self) -> None:
-        """Stop admitting; let in-flight jobs finish within the grace period, requeue the rest."""
+    def _drain_turn(self) -> None:
+        """After SIGTERM: admit nothing, let in-flight jobs finish within the grace
+        period, then requeue what remains at the queue's front."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.config.grace_s
+            log.info("stopping: %d running, %d buffered", len(self.running), len(self.pending))
         for job_id in list(self.pending):
             self.rq.requeue_unstarted(job_id)
-        self.pending.clear()
-        deadline = time.monotonic() + self.config.grace_s
-        while self.running and time.monotonic() < deadline:
+            del self.pending[job_id]
+        if self.running and time.monotonic() < self._drain_deadline:
             self._apply_cancels()
             self._step()
             self._housekeeping()
+            return
         for job_id in self.engine.remove(list(self.running)):
-            r = self.running.pop(job_id)
-            self.sink.then(partial(self.rq.requeue, r))
-            log.info("requeued %s (grace period over)", job_id)
+            self._requeue(self.running.pop(job_id), "grace period over")
+
+    _drain_deadline: float | None = None
+
+    def _requeue(self, r: Running, why: str) -> None:
+        log.info("requeued %s (%s)", r.job.id, why)
+        self.fresh.discard(r.job.id)
+        self.sink.then(partial(self.rq.requeue, r))
+
+    def _abandon(self) -> None:
+        """Another worker declared this one dead and requeued its jobs: drop them all."""
+        log.error("dropping %d running and %d buffered jobs now owned by the queue again",
+                  len(self.running), len(self.pending))
+        self.engine.reset()
+        self.running.clear()
+        self.pending.clear()
+        self.fresh.clear()
+        self._reaped.clear()
 
     # -- schedule ----------------------------------------------------------------------
 
@@ -197,10 +240,14 @@ class Worker:
         try:
             req = decode_job(job, self.config.max_tokens_cap)
         except PayloadError as e:
-            self.rq.fail_unstarted(job, f"invalid job: {e}")
-            self.jobs_done["failed"] += 1
+            self._fail_unstarted(job, f"invalid job: {e}")
             return
         self.pending[job.id] = (Pending(job.id, req.sampling.key(), self.steps), job, req)
+
+    def _fail_unstarted(self, job: Job, reason: str) -> None:
+        self.pending.pop(job.id, None)
+        self.rq.fail_unstarted(job, reason)
+        self.jobs_done["failed"] += 1
 
     def _admit(self) -> None:
         # A row is free once its job's end is committed to rq, so rq never shows more
@@ -212,31 +259,41 @@ class Worker:
         chosen = admit([p for p, _, _ in self.pending.values()], running, free, self.steps,
                        self.policy)
         for p in chosen:
-            _, job, req = self.pending.pop(p.job_id)
+            _, job, req = self.pending[p.job_id]
             self._start(job, req)
+            self.pending.pop(p.job_id, None)
 
     def _start(self, job: Job, req: GenerationRequest) -> None:
         try:
             ids = self.engine.encode(req)
         except Exception as e:  # a tokenizer or template error is this job's, not ours
-            self.rq.fail_unstarted(job, f"invalid job: {e}")
-            self.jobs_done["failed"] += 1
+            self._fail_unstarted(job, f"invalid job: {type(e).__name__}: {e}")
             return
+        attempt, last_seq = self._next_attempt(job.id)
         r = self.rq.start(job, req)
-        self._resume_stream(r)
-        self.engine.add(job.id, req, ids)
+        r.attempt, r.seq = attempt, last_seq
+        r.deadline = None if req.timeout is None else time.monotonic() + req.timeout
         self.running[job.id] = r
+        if attempt > MAX_ATTEMPTS:
+            self._fail(r, f"gave up after {MAX_ATTEMPTS} attempts: its worker died or its "
+                       "batch failed each time")
+            return
+        if attempt > 1:  # tell listeners to drop what an earlier attempt streamed
+            r.seq += 1
+            self.sink.put([Out(job.id, Chunk(r.seq, kind="reset", attempt=attempt))])
+        self.engine.add(job.id, req, ids)
+        self.fresh.add(job.id)
         self.rq.set_state("busy")
 
-    def _resume_stream(self, r: Running) -> None:
-        # A re-run job (its worker died, or it was requeued) continues its log's
-        # numbering and tells listeners to drop what the earlier attempt streamed.
-        last = decode_entries(self.redis.xrevrange(keys.stream_key(r.job.id), count=1))
-        if not last:
-            return
-        prev = last[0]
-        r.seq, r.attempt = prev.seq + 1, prev.attempt + 1
-        self.sink.put([Out(r.job.id, Chunk(r.seq, kind="reset", attempt=r.attempt))])
+    def _next_attempt(self, job_id: str) -> tuple[int, int]:
+        """Count this start in the job's hash (it survives a crash of this worker) and
+        find where its replay log ends: (attempt, last seq)."""
+        with self.redis.pipeline() as p:
+            p.hincrby(f"{Job.redis_job_namespace_prefix}{job_id}", "mlxq_attempt", 1)
+            p.xrevrange(keys.stream_key(job_id), count=1)
+            attempt, last = p.execute()
+        chunks = decode_entries(last)
+        return int(attempt), chunks[0].seq if chunks else 0
 
     # -- run + postprocess -------------------------------------------------------------
 
@@ -244,13 +301,10 @@ class Worker:
         try:
             events = self.engine.step()
         except Exception as e:
-            # An MLX error poisons the whole batch state: fail its jobs, start afresh.
-            log.exception("engine step failed; failing %d jobs", len(self.running))
-            for held in list(self.running.values()):
-                self._fail(held, f"engine error: {type(e).__name__}: {e}")
-            self.engine.reset()
+            self._on_engine_error(e)
             return
         self.steps += 1
+        self.fresh.clear()
         outs, ended = [], []
         for ev in events:
             r = self.running.get(ev.job_id)
@@ -270,10 +324,26 @@ class Worker:
             self.jobs_done["finished"] += 1
             self._end(r, chunk, partial(self._commit_success, r, chunk))
 
+    def _on_engine_error(self, e: Exception) -> None:
+        """An MLX error leaves the batch state unusable. Jobs admitted since the last
+        good step are the suspects and fail with the error; the others are requeued
+        and start again (MAX_ATTEMPTS bounds that)."""
+        reason = f"engine error: {type(e).__name__}: {e}"
+        suspects = [r for j, r in self.running.items() if j in self.fresh]
+        log.exception("engine step failed; failing %d suspect job(s), requeuing %d",
+                      len(suspects), len(self.running) - len(suspects))
+        for r in suspects:
+            self._fail(r, reason)
+        for r in list(self.running.values()):
+            self._requeue(self.running.pop(r.job.id), reason)
+        self.engine.reset()
+        self.fresh.clear()
+
     def _end(self, r: Running, final: Chunk, commit: Callable[[], None]) -> None:
         """Commit a job's end to rq, then write its last chunk: whoever sees the last
         chunk finds the job's final state and result."""
         self.running.pop(r.job.id, None)
+        self.fresh.discard(r.job.id)
         self.sink.then(commit)
         self.sink.put([Out(r.job.id, final)])
 
@@ -290,25 +360,14 @@ class Worker:
                       error=reason)
         self._end(r, final, partial(self.rq.fail, r, reason))
 
-    # -- cancels -----------------------------------------------------------------------
-
-    def _on_cancel_msg(self, msg: dict[str, Any]) -> None:
-        with self._cancel_lock:
-            self._cancels.add(msg["data"].decode())
-
-    def _load_cancels(self) -> None:
-        ids = self.redis.smembers(keys.cancel_set(self.config.queue))
-        with self._cancel_lock:
-            self._cancels.update(as_text(i) for i in ids)
+    # -- cancels and deadlines ---------------------------------------------------------
 
     def _apply_cancels(self) -> None:
-        with self._cancel_lock:
-            ids, self._cancels = self._cancels, set()
-        for job_id in ids:
+        for job_id in self.cancels.take():
             if job_id in self.pending:
-                self.pending.pop(job_id)
+                del self.pending[job_id]
                 self.rq.drop_unstarted(job_id)
-                self.redis.srem(keys.cancel_set(self.config.queue), job_id)
+                self.cancels.done(job_id)
             elif job_id in self.running:
                 r = self.running[job_id]
                 self.engine.remove([job_id])
@@ -317,13 +376,26 @@ class Worker:
                 final = Chunk(r.seq, finish_reason="canceled", attempt=r.attempt)
                 self._end(r, final, partial(self.rq.cancel, r))
 
+    def _expire(self) -> None:
+        """Fail jobs past their deadline: running past ``timeout``, queued past ``ttl``."""
+        now = time.monotonic()
+        for r in [r for r in self.running.values() if r.deadline and now > r.deadline]:
+            self._fail(r, f"timeout: ran longer than timeout={r.request.timeout:g} s")
+        wall = rq_now()
+        for _, job, req in list(self.pending.values()):
+            waited = (wall - job.enqueued_at).total_seconds() if job.enqueued_at else 0.0
+            if req.ttl and waited > req.ttl:
+                self._fail_unstarted(job, f"ttl expired: waited {waited:.1f} s in the queue "
+                                     f"(ttl={req.ttl:g} s)")
+
     # -- housekeeping ------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if now - self._last_beat < HEARTBEAT_S and self.running:
-            return
-        if now - self._last_beat < 1.0:
+        if now - self._last_deadline_check >= DEADLINE_CHECK_S:
+            self._last_deadline_check = now
+            self._expire()
+        if now - self._last_beat < (HEARTBEAT_S if self.running else 1.0):
             return
         self._last_beat = now
         self.rq.heartbeat(list(self.running.values()))
@@ -338,6 +410,7 @@ class Worker:
             "sampler_calls": c.sampler_calls, "tokens_generated": c.tokens_generated,
             "prompt_tokens": c.prompt_tokens, "jobs_finished": self.jobs_done["finished"],
             "jobs_failed": self.jobs_done["failed"], "jobs_canceled": self.jobs_done["canceled"],
+            "jobs_requeued_from_dead_workers": self.liveness.reaped_jobs,
             "running": len(self.running), "pid": os.getpid(),
             "batch_sizes": {str(k): v for k, v in sorted(c.batch_sizes.items())},
         }
