@@ -11,12 +11,12 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
 from mlxq.producer import keys
 from mlxq.producer.client import DEFAULT_REDIS_URL, TERMINAL, Client, Job, Result, StreamCursor
 from mlxq.producer.codec import Chunk, decode_chunk, decode_entries
-from mlxq.producer.errors import JobTimeout
 
 
 class AsyncJob:
@@ -39,10 +39,18 @@ class AsyncJob:
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """Async-iterate the job's chunks; see :meth:`Job.stream`."""
         cur = StreamCursor(self.id, timeout)
-        r = self._client.aredis
-        pubsub = r.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(keys.channel(self.id))
+        while not cur.done:
+            try:
+                async for c in self._follow(cur):
+                    yield c
+            except (redis.ConnectionError, redis.TimeoutError):
+                # Redis restarted or dropped us: resume from the last seq seen.
+                await asyncio.sleep(cur.backoff())
+
+    async def _follow(self, cur: StreamCursor) -> AsyncIterator[Chunk]:
+        pubsub = self._client.aredis.pubsub(ignore_subscribe_messages=True)
         try:
+            await pubsub.subscribe(keys.channel(self.id))
             while not cur.done:
                 for c in cur.accept_all(await self._replay(cur.last)):
                     yield c
@@ -74,11 +82,8 @@ class AsyncJob:
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the end and return the output; see :meth:`Job.result`."""
         if await self.status() not in TERMINAL:
-            try:
-                async for _ in self.stream(timeout=timeout):
-                    pass
-            except JobTimeout:
-                raise
+            async for _ in self.stream(timeout=timeout):
+                pass
         return await asyncio.to_thread(self._job.result, timeout)
 
 

@@ -115,6 +115,7 @@ class StreamCursor:
         self.text = ""  # what the caller was shown since the last reset
         self.num_tokens = 0
         self.timeout = timeout
+        self._delay = 0.05
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
     def wait(self) -> float:
@@ -129,6 +130,16 @@ class StreamCursor:
         if left <= 0:
             raise JobTimeout(f"job {self.job_id}: no end within {self.timeout} s")
         return min(POLL_S, left)
+
+    def backoff(self) -> float:
+        """Seconds to wait before reconnecting: 50 ms doubling to 2 s, within the deadline.
+
+        Raises:
+            JobTimeout: the deadline passed.
+        """
+        delay = min(self._delay, self.wait())
+        self._delay = min(self._delay * 2, 2.0)
+        return delay
 
     def accept_all(self, chunks: Sequence[Chunk]) -> Iterator[Chunk]:
         """The chunks a caller should see, in order, each once.
@@ -155,6 +166,7 @@ class StreamCursor:
                 self.done = True
                 raise JobFailed(self.job_id, c.error or "unknown")
             self.done = c.final
+            self._delay = 0.05
             yield c
             self.wait()
 
@@ -211,13 +223,20 @@ class Job:
             JobTimeout: ``timeout`` passed first.
         """
         cur = StreamCursor(self.id, timeout)
+        while not cur.done:
+            try:
+                yield from self._follow(cur)
+            except (redis.ConnectionError, redis.TimeoutError):
+                # Redis restarted or dropped us: resume from the last seq seen.
+                time.sleep(cur.backoff())
+
+    def _follow(self, cur: StreamCursor) -> Iterator[Chunk]:
         pubsub = self._client.redis.pubsub(ignore_subscribe_messages=True)
-        # Subscribe before the first replay read, so nothing falls between the two.
-        pubsub.subscribe(keys.channel(self.id))
         try:
+            # Subscribe before the first replay read, so nothing falls between the two.
+            pubsub.subscribe(keys.channel(self.id))
             while not cur.done:
-                for c in cur.accept_all(self.replay(cur.last)):
-                    yield c
+                yield from cur.accept_all(self.replay(cur.last))
                 if cur.done:
                     return
                 if self.end_without_final(cur) is not None:
