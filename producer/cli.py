@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--name", default=None, help="worker name (default host.pid.random)")
     w.add_argument("--grace-s", type=float, default=None,
                    help="on SIGTERM, seconds in-flight jobs may finish before requeue (default 30)")
+    w.add_argument("--stream-ttl", type=int, default=None,
+                   help="seconds a job's replay log lives after its last chunk (default 3600)")
+    w.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="largest max_tokens a job may ask for (default 32768)")
     w.add_argument("--log-level", default="INFO")
 
     s = sub.add_parser("submit", help="submit one job; print its id or stream its text")
@@ -88,7 +92,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = {k: v for k, v in (("window_ms", args.window_ms), ("max_batch", args.max_batch),
-                              ("grace_s", args.grace_s)) if v is not None}
+                              ("grace_s", args.grace_s), ("stream_ttl", args.stream_ttl),
+                              ("max_tokens_cap", args.max_tokens_cap)) if v is not None}
     config = WorkerConfig(model=args.model, redis_url=args.redis_url, queue=args.queue,
                           name=args.name, **opts)
     return Worker(config).run()
