@@ -26,11 +26,14 @@ def _free_port() -> int:
 class RedisServer:
     """A throwaway redis-server on a free port; ``restart()`` keeps the port."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, persist: bool = False) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server not found: install Redis (e.g. apt-get install redis-server)")
         self.exe, self.workdir, self.port = exe, workdir, _free_port()
+        # A persistent server (AOF, fsync always) keeps its data across restart().
+        self.persistence = (["--appendonly", "yes", "--appendfsync", "always"] if persist
+                            else ["--appendonly", "no"])
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -41,7 +44,7 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+             *self.persistence, "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port)
         for _ in range(200):
@@ -71,6 +74,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture
+def persistent_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own that keeps its data across ``restart()``."""
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = RedisServer(workdir, persist=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def r(redis_server: RedisServer) -> redis.Redis:
     return redis.Redis.from_url(redis_server.url)
 
@@ -91,8 +104,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class WorkerProcess:
     """``mlxq worker`` as a real process, with its log kept for failures."""
 
-    def __init__(self, args: list[str], log: Path, redis_url: str, queue: str) -> None:
-        self.log = log
+    def __init__(self, args: list[str], log: Path, redis_url: str, queue: str,
+                 name: str | None = None) -> None:
+        self.log, self.name = log, name
         self.redis = redis.Redis.from_url(redis_url)
         self.queue = queue
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -106,7 +120,9 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.output()}")
-            if any(self.queue in w.queue_names() for w in Worker.all(connection=self.redis)):
+            names = {w.name for w in Worker.all(connection=self.redis)
+                     if self.queue in w.queue_names()}
+            if (self.name in names) if self.name else names:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"worker not ready in {timeout}s:\n{self.output()}")
@@ -137,12 +153,14 @@ def start_worker(redis_server: RedisServer, tiny_model: Path, tmp_path: Path,
     """Start real workers: ``start_worker(max_batch=8, window_ms=50)``."""
     started: list[WorkerProcess] = []
 
-    def start(queue: str | None = None, ready: bool = True, **opts: object) -> WorkerProcess:
-        q = queue or queue_name
-        args = ["--model", str(tiny_model), "--redis-url", redis_server.url, "--queue", q]
+    def start(queue: str | None = None, ready: bool = True, redis_url: str | None = None,
+              **opts: object) -> WorkerProcess:
+        q, url = queue or queue_name, redis_url or redis_server.url
+        name = f"w{len(started)}-{uuid.uuid4().hex[:8]}"
+        args = ["--model", str(tiny_model), "--redis-url", url, "--queue", q, "--name", name]
         for k, v in opts.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
-        w = WorkerProcess(args, tmp_path / f"worker{len(started)}.log", redis_server.url, q)
+        w = WorkerProcess(args, tmp_path / f"worker{len(started)}.log", url, q, name)
         started.append(w)
         if ready:
             w.wait_ready()

@@ -242,6 +242,9 @@ class Worker:
         except PayloadError as e:
             self._fail_unstarted(job, f"invalid job: {e}")
             return
+        if (why := _ttl_expired(job, req)) is not None:
+            self._fail_unstarted(job, why)
+            return
         self.pending[job.id] = (Pending(job.id, req.sampling.key(), self.steps), job, req)
 
     def _fail_unstarted(self, job: Job, reason: str) -> None:
@@ -381,12 +384,9 @@ class Worker:
         now = time.monotonic()
         for r in [r for r in self.running.values() if r.deadline and now > r.deadline]:
             self._fail(r, f"timeout: ran longer than timeout={r.request.timeout:g} s")
-        wall = rq_now()
         for _, job, req in list(self.pending.values()):
-            waited = (wall - job.enqueued_at).total_seconds() if job.enqueued_at else 0.0
-            if req.ttl and waited > req.ttl:
-                self._fail_unstarted(job, f"ttl expired: waited {waited:.1f} s in the queue "
-                                     f"(ttl={req.ttl:g} s)")
+            if (why := _ttl_expired(job, req)) is not None:
+                self._fail_unstarted(job, why)
 
     # -- housekeeping ------------------------------------------------------------------
 
@@ -422,3 +422,13 @@ class Worker:
                                  "stats": MsgpackSerializer.dumps(self.stats())})
             p.expire(key, STATS_TTL)
             p.execute()
+
+
+def _ttl_expired(job: Job, req: GenerationRequest) -> str | None:
+    """Why a job waited past its ``ttl`` in the queue, or None."""
+    if req.ttl is None or job.enqueued_at is None:
+        return None
+    waited = (rq_now() - job.enqueued_at).total_seconds()
+    if waited <= req.ttl:
+        return None
+    return f"ttl expired: waited {waited:.1f} s in the queue (ttl={req.ttl:g} s)"
