@@ -277,3 +277,31 @@ def _worker_stats(redis_server, queue_name) -> dict:
                 return stats
         time.sleep(0.2)
     raise AssertionError("no stats from the worker")
+
+
+def test_mixed_param_groups_each_follow_their_own_distribution(redis_server, queue_name,
+                                                               start_worker, tiny_model):
+    """A few hundred one-token jobs, five param groups at once: each group's first tokens
+    follow mlx-lm's distribution for its params, and every decode step was one call."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from test_sampler import MIXED, assert_fits, reference
+
+    start_worker(max_batch=64, window_ms=300)
+    prompt, per_group = "The weather today", 80
+    client = Client(redis_server.url, queue=queue_name)
+    # Interleaved, so batches mix the groups.
+    specs = [dict(prompt=prompt, max_tokens=1, temperature=p.temperature, top_p=p.top_p,
+                  top_k=p.top_k, min_p=p.min_p) for _ in range(per_group) for p in MIXED]
+    jobs = client.submit_many(specs)
+    model, tok = load(str(tiny_model))
+    eos = min(tok.eos_token_ids)
+    first = [(res.token_ids or [eos])[0] for res in (j.result(timeout=120) for j in jobs)]
+    logits = model(mx.array([tok.encode(prompt)]))[0, -1]
+    logprobs = np.array(logits - mx.logsumexp(logits), dtype=np.float32)
+    for g, params in enumerate(MIXED):
+        counts = np.bincount(first[g::len(MIXED)], minlength=logprobs.shape[-1])
+        assert_fits(counts, reference(logprobs, params))
+    stats = _worker_stats(redis_server, queue_name)
+    assert stats["vectorized_steps"] == stats["decode_steps"] > 0
