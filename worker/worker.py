@@ -95,6 +95,12 @@ class WorkerConfig:
             raise ValueError(f"grace_s={self.grace_s!r}: must be >= 0")
         if not self.queue:
             raise ValueError(f"queue={self.queue!r}: must not be empty")
+        if self.stream_ttl < 1:
+            raise ValueError(f"stream_ttl={self.stream_ttl!r}: must be >= 1 second")
+        if self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap={self.max_tokens_cap!r}: must be >= 1")
+        if self.max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps={self.max_wait_steps!r}: must be >= 0")
 
 
 class Worker:
