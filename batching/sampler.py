@@ -304,7 +304,12 @@ def sample(logprobs: mx.array, rows: RowParams, positions: mx.array) -> mx.array
 
     Returns:
         (B,) uint32 token ids.
+
+    Raises:
+        ValueError: If ``logprobs`` has not one row per row of ``rows``.
     """
+    if logprobs.ndim != 2 or logprobs.shape[0] != rows.greedy.size:
+        raise ValueError(f"logprobs shape {logprobs.shape}: want ({rows.greedy.size}, V)")
     if rows.all_greedy:
         return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
     if rows.greedy_rows.size == 0:
@@ -317,11 +322,12 @@ def sample(logprobs: mx.array, rows: RowParams, positions: mx.array) -> mx.array
 def make_shared_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     """A sampler for a batch whose rows all share ``params`` (unseeded).
 
-    Measured with ``ops/bench_sampler.py --micro`` (2-core CPU, B = 64, V = 152k,
-    ms per call, mlxq vs mlx-lm's own): top_p 0.9 125 vs 1100, top_k 40 132 vs
-    311, min_p 0.05 125 vs 196 (peaked logits; 355 vs 190 when the min-p set
-    outgrows the candidates), temperature only 170 vs 150. So mlx-lm's own sampler
-    when it filters nothing, mlxq's otherwise.
+    Measured with ``ops/bench_sampler.py --micro`` (2-core CPU, V = 152k, B = 64,
+    ms per call, mlxq vs mlx-lm's own, peaked logits): top_p 0.9 128 vs 1047,
+    top_k 40 126 vs 308, min_p 0.05 127 vs 193 (260 vs 161 when flat logits push
+    the min-p set past the candidates), temperature only 183 vs 149 (but 30 vs 33
+    at B = 16). So mlx-lm's own sampler when there is nothing to filter, mlxq's
+    whenever a filter is set.
 
     Args:
         params: The shared params; their seed is ignored.

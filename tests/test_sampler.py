@@ -170,9 +170,23 @@ def test_shared_sampler_matches_mlx_lm() -> None:
     assert_fits(np.bincount(tokens, minlength=256), reference(base[0], p))
 
 
-def test_rejects_empty_batch() -> None:
+def test_rejects_empty_batch_and_wrong_shape() -> None:
     with pytest.raises(ValueError, match="params"):
         RowParams.from_params([])
+    with pytest.raises(ValueError, match="logprobs shape"):
+        sample(mx.zeros((3, 10)), RowParams.from_params(MIXED), mx.arange(3))
+
+
+def test_half_precision_logprobs() -> None:
+    # Quantized models hand over bfloat16 log-probs; cuts are taken in float32.
+    base = _logprobs(len(MIXED), 2000, 3.0, seed=8)
+    x = mx.array(np.tile(base, (200, 1))).astype(mx.bfloat16)
+    tokens = np.array(sample(x, RowParams.from_params(MIXED * 200), mx.arange(1000)))
+    tokens = tokens.reshape(200, len(MIXED))
+    ranked = np.argsort(-np.array(x[: len(MIXED)].astype(mx.float32)), axis=-1)
+    assert (tokens[:, 0] == int(mx.argmax(x[0]))).all()
+    assert np.isin(tokens[:, 2], ranked[2, :5]).all()
+    assert np.isin(tokens[:, 4], ranked[4, :3]).all()
 
 
 def _params() -> st.SearchStrategy[SP]:
