@@ -100,13 +100,15 @@ def decode_chunk(data: bytes) -> Chunk:
         raise PayloadError(f"chunk.attempt={attempt!r}: must be an integer >= 1")
     if not isinstance(text, str):
         raise PayloadError(f"chunk.text={text!r}: must be a string")
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
         raise PayloadError(f"chunk.token_ids={ids!r}: must be a list of integers")
     if fin is not None and fin not in FINISH_REASONS:
         raise PayloadError(f"chunk.finish_reason={fin!r}: must be one of {FINISH_REASONS}")
     usage, error = m.get("u"), m.get("e")
-    if usage is not None and not isinstance(usage, dict):
-        raise PayloadError(f"chunk.usage={usage!r}: must be a map")
+    if usage is not None and not (
+        isinstance(usage, dict) and all(type(n) is int for n in usage.values())
+    ):
+        raise PayloadError(f"chunk.usage={usage!r}: must be a map of token counts")
     if error is not None and not isinstance(error, str):
         raise PayloadError(f"chunk.error={error!r}: must be a string")
     return Chunk(seq, text, ids, fin, kind, attempt, usage, error)

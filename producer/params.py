@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from mlxq.producer.errors import PayloadError
 
 PAYLOAD_VERSION = 1
@@ -23,6 +25,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1_024
 MAX_SEED = 2**63 - 1
+#: Above any vocabulary; past the vocabulary size top_k keeps everything.
+MAX_TOP_K = 1 << 20
+#: Largest metadata map, msgpack-encoded.
+MAX_METADATA_BYTES = 64 * 1024
 #: Longest ``timeout`` / ``ttl`` a job may ask for, in seconds (a week).
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -38,9 +44,37 @@ def _bad(name: str, value: Any, why: str) -> PayloadError:
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, value, "must be a number")
-    if not math.isfinite(value):
+    try:
+        f = float(value)
+    except OverflowError:
+        raise _bad(name, value, "too large") from None
+    if not math.isfinite(f):
         raise _bad(name, value, "must be finite")
-    return float(value)
+    return f
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _bad(name, value, "must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(name, value, f"not valid Unicode text ({e.reason})") from None
+    return value
+
+
+def _metadata(value: Any) -> dict[str, Any]:
+    # Checked by a msgpack round trip: what passes here is exactly what the worker reads back.
+    if not isinstance(value, Mapping):
+        raise _bad("metadata", value, "must be a map with string keys")
+    try:
+        packed = msgpack.packb(dict(value), use_bin_type=True)
+        out = msgpack.unpackb(packed, raw=False, strict_map_key=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _bad("metadata", value, f"must be msgpack data with string keys ({e})") from None
+    if len(packed) > MAX_METADATA_BYTES:
+        raise _bad("metadata", f"<{len(packed)} bytes>", f"at most {MAX_METADATA_BYTES} bytes")
+    return dict(out)
 
 
 def _integer(name: str, value: Any) -> int:
@@ -79,8 +113,8 @@ class SamplingParams:
         p = _number("top_p", self.top_p)
         if not 0 < p <= 1:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
-        if _integer("top_k", self.top_k) < 0:
-            raise _bad("top_k", self.top_k, "must be >= 0 (0 disables it)")
+        if not 0 <= _integer("top_k", self.top_k) <= MAX_TOP_K:
+            raise _bad("top_k", self.top_k, f"must be in [0, {MAX_TOP_K}] (0 disables it)")
         m = _number("min_p", self.min_p)
         if not 0 <= m <= 1:
             raise _bad("min_p", self.min_p, "must be in [0, 1]")
@@ -111,11 +145,9 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or set(m) != {"role", "content"}:
             raise _bad(f"messages[{i}]", m, "must be a map with exactly 'role' and 'content'")
-        if m["role"] not in ROLES:
+        if not isinstance(m["role"], str) or m["role"] not in ROLES:
             raise _bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
-        if not isinstance(m["content"], str):
-            raise _bad(f"messages[{i}].content", m["content"], "must be a string")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": _text(f"messages[{i}].content", m["content"])})
     return tuple(out)
 
 
@@ -127,7 +159,7 @@ def _stop(value: Any) -> tuple[str, ...]:
     if len(value) > MAX_STOP_STRINGS:
         raise _bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
     for s in value:
-        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+        if not isinstance(s, str) or not 0 < len(_text("stop", s)) <= MAX_STOP_CHARS:
             raise _bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
     return tuple(value)
 
@@ -159,9 +191,7 @@ class GenerationRequest:
         if (self.prompt is None) == (self.messages is None):
             raise _bad("prompt", self.prompt, "give exactly one of prompt and messages")
         if self.prompt is not None:
-            if not isinstance(self.prompt, str):
-                raise _bad("prompt", self.prompt, "must be a string")
-            if not self.prompt:
+            if not _text("prompt", self.prompt):
                 raise _bad("prompt", self.prompt, "must not be empty")
             chars = len(self.prompt)
         else:
@@ -182,10 +212,8 @@ class GenerationRequest:
                 if not 0 < v <= MAX_DEADLINE_S:
                     raise _bad(name, value, f"must be in (0, {MAX_DEADLINE_S:.0f}] seconds")
                 object.__setattr__(self, name, v)
-        if self.metadata is not None and not (
-            isinstance(self.metadata, Mapping) and all(isinstance(k, str) for k in self.metadata)
-        ):
-            raise _bad("metadata", self.metadata, "must be a map with string keys")
+        if self.metadata is not None:
+            object.__setattr__(self, "metadata", _metadata(self.metadata))
 
     def to_payload(self) -> dict[str, Any]:
         """The msgpack-ready map stored as the rq job's only argument."""
@@ -217,7 +245,8 @@ class GenerationRequest:
         """
         if not isinstance(payload, Mapping):
             raise _bad("payload", payload, "must be a map")
-        if payload.get("v") != PAYLOAD_VERSION:
+        v = payload.get("v")
+        if type(v) is not int or v != PAYLOAD_VERSION:
             raise _bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
         known = {"v", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
                  "min_p", "seed", "stop", "metadata", "timeout", "ttl"}
@@ -236,7 +265,7 @@ class GenerationRequest:
             messages=payload.get("messages"),
             max_tokens=payload.get("max_tokens", 256),
             sampling=sampling,
-            stop=payload.get("stop") or (),
+            stop=() if payload.get("stop") is None else payload["stop"],
             metadata=payload.get("metadata"),
             timeout=payload.get("timeout"),
             ttl=payload.get("ttl"),
