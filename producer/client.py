@@ -434,9 +434,6 @@ class Client:
                 raise ValueError(f"jobs[{i}]: {e}") from None
             except ValueError as e:
                 raise type(e)(f"jobs[{i}]: {e}" if len(jobs) > 1 else str(e)) from None
-        if self.max_queued is not None and self._queue.count + len(reqs) > self.max_queued:
-            raise QueueFull(f"queue {self.queue_name!r} holds {self._queue.count} jobs "
-                            f"(max_queued={self.max_queued})")
         datas = [
             Queue.prepare_data(
                 keys.JOB_FUNC,
@@ -448,8 +445,21 @@ class Client:
             for r in reqs
         ]
         with self.redis.pipeline() as pipe:
-            rq_jobs = self._queue.enqueue_many(datas, pipeline=pipe)
-            pipe.execute()
+            while True:
+                try:
+                    if self.max_queued is not None:
+                        # WATCH makes count-then-enqueue atomic across producers.
+                        pipe.watch(self._queue.key)
+                        queued = pipe.llen(self._queue.key)
+                        if queued + len(reqs) > self.max_queued:
+                            raise QueueFull(f"queue {self.queue_name!r} holds {queued} jobs "
+                                            f"(max_queued={self.max_queued})")
+                        pipe.multi()
+                    rq_jobs = self._queue.enqueue_many(datas, pipeline=pipe)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
         return [Job(self, j.id) for j in rq_jobs]
 
     def job(self, job_id: str) -> Job:
