@@ -35,5 +35,8 @@ demo: install
 bench: install
 	$(BIN)/python ops/bench_sampler.py
 
+soak: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/soak.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
