@@ -419,7 +419,7 @@ class Soak:
     def report(self, started: list[str]) -> bool:
         t = self.t
         status = Counter(t.final.get(i, ("lost", ""))[0] for i in t.kind)
-        lost = status["lost"] + status["vanished"]
+        lost = [i for i in t.kind if t.final.get(i, ("lost",))[0] in ("lost", "vanished")]
         failed = [(t.kind[i], s[1]) for i, s in t.final.items() if s[0] == "failed"]
         poison_ok = sum(1 for k, why in failed if k == "poison" and why not in ("", "unknown"))
         poison_n = sum(1 for k in t.kind.values() if k == "poison")
@@ -437,7 +437,7 @@ class Soak:
                                            f"{t.poison_started} reached the engine"),
             ("failed with reason: other", f"{len(failed) - poison_ok} {dict(others)}"),
             ("canceled", f"{status['canceled']}; asked (status then, end): {dict(asked)}"),
-            ("lost (must be 0)", lost),
+            ("lost (must be 0)", f"{len(lost)} {self.whereabouts(lost[:5]) if lost else ''}"),
             ("left in StartedJobRegistry (must be 0)", f"{len(started)} {started or ''}"),
             ("listeners", f"{len(t.listened)} jobs, {t.chunks_seen} chunks, "
                           f"{alive_listeners} still waiting, {t.listener_errors} errors"),
@@ -454,7 +454,7 @@ class Soak:
         print()
         for k, v in rows:
             print(f"{k:>38} | {v}")
-        bad = {"lost": lost, "duplicates": t.duplicates, "mismatches": t.mismatches,
+        bad = {"lost": len(lost), "duplicates": t.duplicates, "mismatches": t.mismatches,
                "poison not failed": poison_n - poison_ok, "poison started": t.poison_started,
                "started registry": len(started), "listeners waiting": alive_listeners,
                "listener errors": t.listener_errors, "queued cancels ignored": queued_not_canceled,
@@ -464,6 +464,13 @@ class Soak:
         print(f"\n{'FAIL: ' + str(bad) if bad else 'PASS'}")
         return not bad
 
+
+    def whereabouts(self, ids: list[str]) -> list[str]:
+        """Where lost jobs are: their rq status and which worker's WIP list holds them."""
+        wips = {k.decode(): {i.decode() for i in self.c.r.lrange(k, 0, -1)}
+                for k in self.c.r.scan_iter(match=wip_key("*"))}
+        return [f"{i} {(self.c.r.hget(f'rq:job:{i}', 'status') or b'expired').decode()} in "
+                f"{[k for k, held in wips.items() if i in held]}" for i in ids]
 
     def leftovers(self) -> list[tuple[str, Any]]:
         """Keys still in Redis after the TTLs, by prefix; those with no TTL never go."""
