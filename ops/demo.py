@@ -39,6 +39,7 @@ JOBS = [
 
 
 def find_redis(url: str, workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
+    url_asked = url
     try:
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
         print(f"using the Redis at {url}")
@@ -63,7 +64,7 @@ def find_redis(url: str, workdir: Path) -> tuple[str, subprocess.Popen[bytes] | 
             break
         except redis.ConnectionError:
             time.sleep(0.025)
-    print(f"no Redis at the default URL: started a private redis-server on port {port}")
+    print(f"no Redis answers at {url_asked}: started a private redis-server on port {port}")
     return url, proc
 
 
