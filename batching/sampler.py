@@ -18,6 +18,15 @@ one; that stays exact, at mlx-lm's own cost. Knowing which rows those are takes
 one host sync per step, taken only when some row has a top_p or min_p and no
 top_k. (A sync-free 32-step bisection for the top-p threshold was tried: 2.4x
 slower than the sort on this CPU.)
+
+On a GPU the trade is the other way round: a sort of the whole vocabulary is
+cheap there, and a host sync is not, since it stalls mlx-lm's pipelining of the
+next forward pass behind this one (on an H200, 0.5B 4-bit, the candidate path
+with its sync ran at 0.64x mlx-lm's shared sampler at batch 1). So with
+``num_candidates=0``, the default on a GPU, every row's top_p and top_k
+thresholds come from ONE sort of the values and min_p from the row max, the
+draw is one masked Gumbel-argmax over the vocabulary, and nothing waits on the
+host: the same work as mlx-lm's own sampler, whatever the mix.
 """
 
 from __future__ import annotations
@@ -33,6 +42,11 @@ from mlxq.producer.params import SamplingParams
 
 #: Candidates kept per row before the cut (raised to the largest top_k in the batch).
 NUM_CANDIDATES = 1024
+
+
+def default_num_candidates() -> int:
+    """1024 candidates on a CPU; 0 (one sync-free sort) on a GPU. See the module doc."""
+    return 0 if mx.default_device().type == mx.DeviceType.gpu else NUM_CANDIDATES
 _NEG_INF = -math.inf
 
 
@@ -100,19 +114,21 @@ class RowParams:
     any_filter: bool
     any_top_p: bool
     any_min_p: bool
+    any_top_k: bool
     needs_sync: bool  # some row's cut may lie beyond its candidates
     subsets: dict[tuple[int, ...], RowParams] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_params(
-        cls, params: Sequence[SamplingParams], num_candidates: int = NUM_CANDIDATES
+        cls, params: Sequence[SamplingParams], num_candidates: int | None = None
     ) -> RowParams:
         """Build the arrays for one batch composition.
 
         Args:
             params: One :class:`SamplingParams` per batch row, in row order.
-            num_candidates: Candidates per row before the cut (default 1024, at
-                most V // 8), raised to the largest top_k; 0 always sorts everything.
+            num_candidates: Candidates per row before the cut (1024 by default on a
+                CPU, at most V // 8), raised to the largest top_k; 0 (the default on
+                a GPU) draws over the whole vocabulary with no host sync.
 
         Returns:
             The RowParams to pass to :func:`sample` while the batch stays the same.
@@ -122,6 +138,8 @@ class RowParams:
         """
         if not params:
             raise ValueError(f"params={params!r}: need at least one row")
+        if num_candidates is None:
+            num_candidates = default_num_candidates()
         if num_candidates < 0:
             raise ValueError(f"num_candidates={num_candidates!r}: must be >= 0")
         sampled = [p for p in params if not p.greedy]
@@ -155,6 +173,7 @@ class RowParams:
             any_filter=any(any(f) for f in filters),
             any_top_p=any(f[0] for f in filters),
             any_min_p=any(f[1] for f in filters),
+            any_top_k=any(f[2] for f in filters),
             needs_sync=any((f[0] or f[1]) and not f[2] for f in filters),
         )
 
@@ -212,9 +231,9 @@ def _cut(vals: mx.array, rows: RowParams) -> tuple[mx.array, mx.array]:
     return keep, settled.reshape(-1)
 
 
-def _full_top_p(x: mx.array, top_p: mx.array) -> mx.array:
-    """mlx-lm's apply_top_p threshold with per-row top_p, from a full sort."""
-    srt = mx.sort(x, axis=-1)
+def _full_top_p(x: mx.array, top_p: mx.array, srt: mx.array | None = None) -> mx.array:
+    """mlx-lm's apply_top_p threshold with per-row top_p, from a full (ascending) sort."""
+    srt = mx.sort(x, axis=-1) if srt is None else srt
     probs = mx.exp(srt.astype(mx.float32))
     above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
     total = above[:, :1] + probs[:, :1]
@@ -243,9 +262,27 @@ def _masked_argmax(x: mx.array, floor: mx.array, inv_temp: mx.array, g: mx.array
     return mx.argmax(z, axis=-1).astype(mx.uint32)
 
 
+def _full_top_k(srt: mx.array, top_k: mx.array) -> mx.array:
+    """Each row's k-th largest value from an ascending sort (-inf where top_k is off)."""
+    vocab = srt.shape[-1]
+    at = mx.clip(vocab - top_k, 0, vocab - 1)
+    on = (top_k > 0) & (top_k < vocab)
+    return mx.where(on, mx.take_along_axis(srt, at, axis=-1), _NEG_INF)
+
+
 def _draw_wide(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
-    """Gumbel-max over the whole vocabulary above each row's top_p/min_p threshold."""
-    floor = _full_top_p(x, rows.top_p) if rows.any_top_p else mx.array(_NEG_INF)
+    """Gumbel-max over the whole vocabulary above each row's top_p/top_k/min_p threshold.
+
+    top_k is met as a value threshold (the k-th largest log-prob): exact ties at that
+    value all stay in, where mlx-lm's argpartition would keep an arbitrary k of them.
+    """
+    floor = mx.array(_NEG_INF)
+    if rows.any_top_p or rows.any_top_k:
+        srt = mx.sort(x, axis=-1)  # one sort serves every row's top_p and top_k
+        if rows.any_top_p:
+            floor = _full_top_p(x, rows.top_p, srt)
+        if rows.any_top_k:
+            floor = mx.maximum(floor, _full_top_k(srt, rows.top_k))
     if rows.any_min_p:  # the row max alone costs ~15% of this draw: skip it if unused
         floor = mx.maximum(floor, x.max(axis=-1, keepdims=True) + rows.log_min_p)
     tokens = mx.arange(x.shape[-1], dtype=mx.uint32).reshape(1, -1)
@@ -273,7 +310,7 @@ def _num_candidates(rows: RowParams, vocab: int) -> int:
 
 def _draw(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
     """Tokens for an all-sampled (no greedy) set of rows."""
-    if not rows.any_filter:
+    if not rows.any_filter or not rows.num_candidates:
         return _draw_wide(x, rows, positions)
     vals, idx = _candidates(x, _num_candidates(rows, x.shape[-1]))
     keep, settled = _cut(vals, rows)

@@ -36,7 +36,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.sample_utils import make_sampler
 
-from mlxq.batching.sampler import RowParams, sample
+from mlxq.batching.sampler import RowParams, default_num_candidates, sample
 from mlxq.producer.params import SamplingParams as SP
 
 Sampler = Callable[[mx.array], mx.array]
@@ -56,7 +56,8 @@ GROUPS = [SP(temperature=0.7, top_p=0.9), SP(temperature=1.0, top_k=40),
 MODES = ("a", "b", "c", "d", "e")
 
 
-def build_model(shape: str, vocab: int | None, logit_std: float) -> Model:
+def build_model(shape: str, vocab: int | None, logit_std: float,
+                dtype: str = "float32") -> Model:
     """A random-weight model whose next-token logits have std ``logit_std``.
 
     Random weights give near-uniform logits, where every nucleus spans most of
@@ -68,6 +69,9 @@ def build_model(shape: str, vocab: int | None, logit_std: float) -> Model:
         dims["vocab_size"] = vocab
     model = Model(ModelArgs(model_type="llama", rms_norm_eps=1e-5, rope_theta=1e6,
                             tie_word_embeddings=True, **dims))
+    # Real checkpoints run in half precision; float32 activations would make every
+    # forward pass (and the 152k-wide logits) several times slower than in use.
+    model.set_dtype(getattr(mx, dtype))
     if shape != "tiny":
         nn.quantize(model, group_size=64, bits=4)
     probe = model(mx.random.randint(0, dims["vocab_size"], (4, 8)))[:, -1]
@@ -224,22 +228,28 @@ def main(argv: Sequence[str] | None = None) -> None:
                     default=[1, 4, 16, 64])
     ap.add_argument("--logit-std", type=float, default=5.0,
                     help="std of the random model's logits (5: nuclei of tens of tokens)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="model dtype (default: bfloat16 for 0.5b/1.5b, float32 for tiny)")
     ap.add_argument("--micro", action="store_true", help="time the sampler alone instead")
     ap.add_argument("--reps", type=int, default=5, help="--micro: calls per timing")
     ap.add_argument("--json", metavar="OUT", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "float32" if args.shape == "tiny" else "bfloat16"
     mx.random.seed(0)
     result: dict[str, Any] = {"args": vars(args), "device": str(mx.default_device())}
     if args.micro:
         result["micro"] = run_micro(args)
     else:
-        model = build_model(args.shape, args.vocab, args.logit_std)
+        model = build_model(args.shape, args.vocab, args.logit_std, args.dtype)
         probe = model(mx.random.randint(0, model.args.vocab_size, (64, 8)))[:, -1]
         sizes = nucleus_sizes(np.array(probe - mx.logsumexp(probe, -1, keepdims=True)))
         result["nucleus_0.9"] = {"median": statistics.median(sizes), "max": max(sizes)}
         print(f"shape={args.shape} vocab={model.args.vocab_size} tokens={args.tokens} "
               f"top_p=0.9 nucleus median={statistics.median(sizes)} max={max(sizes)}")
-        print(f"tokens per {args.clock}-clock second; best of {args.rounds} rounds")
+        print(f"device={mx.default_device()} dtype={args.dtype} mlxq candidates="
+              f"{default_num_candidates() or 'none (one sync-free sort)'}; tokens per "
+              f"{args.clock}-clock second; best of {args.rounds} rounds")
         print("   B      a:row     b:shr     c:vec   d:vecmix  e:rowmix"
               "   c/b     d/c     d/e     c/a")
         result["batch"] = run_batch(model, args)
