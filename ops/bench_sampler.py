@@ -243,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         model = build_model(args.shape, args.vocab, args.logit_std, args.dtype)
         probe = model(mx.random.randint(0, model.args.vocab_size, (64, 8)))[:, -1]
-        sizes = nucleus_sizes(np.array(probe - mx.logsumexp(probe, -1, keepdims=True)))
+        sizes = nucleus_sizes(np.array((probe - mx.logsumexp(probe, -1, keepdims=True))
+                                       .astype(mx.float32)))
         result["nucleus_0.9"] = {"median": statistics.median(sizes), "max": max(sizes)}
         print(f"shape={args.shape} vocab={model.args.vocab_size} tokens={args.tokens} "
               f"top_p=0.9 nucleus median={statistics.median(sizes)} max={max(sizes)}")
