@@ -42,12 +42,12 @@ from mlxq.producer.params import SamplingParams
 
 #: Candidates kept per row before the cut (raised to the largest top_k in the batch).
 NUM_CANDIDATES = 1024
+_NEG_INF = -math.inf
 
 
 def default_num_candidates() -> int:
     """1024 candidates on a CPU; 0 (one sync-free sort) on a GPU. See the module doc."""
     return 0 if mx.default_device().type == mx.DeviceType.gpu else NUM_CANDIDATES
-_NEG_INF = -math.inf
 
 
 _M1, _M2, _GOLD = (mx.array(c, dtype=mx.uint32) for c in (0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9))
