@@ -45,6 +45,10 @@ NUM_CANDIDATES = 1024
 _NEG_INF = -math.inf
 
 
+#: What a greedy row's filters look like on the one-sort path: none (its draw is argmax).
+_NEUTRAL = SamplingParams(temperature=1.0)
+
+
 def default_num_candidates() -> int:
     """1024 candidates on a CPU; 0 (one sync-free sort) on a GPU. See the module doc."""
     return 0 if mx.default_device().type == mx.DeviceType.gpu else NUM_CANDIDATES
@@ -100,6 +104,7 @@ class RowParams:
     seed_hi: mx.array
     seeded: mx.array
     greedy: mx.array
+    plain: mx.array  # sampled rows that take the plain argmax (greedy rows riding along)
     all_greedy: bool
     homogeneous: bool
     any_seeded: bool
@@ -142,11 +147,17 @@ class RowParams:
             num_candidates = default_num_candidates()
         if num_candidates < 0:
             raise ValueError(f"num_candidates={num_candidates!r}: must be >= 0")
-        sampled = [p for p in params if not p.greedy]
+        if num_candidates:
+            sampled = [p for p in params if not p.greedy]
+            s_idx = [i for i, p in enumerate(params) if not p.greedy]
+        else:
+            # On the one-sort path greedy rows ride along with no filter and no noise,
+            # so the batch is never split into greedy and sampled rows and put back.
+            sampled = [_NEUTRAL if p.greedy else p for p in params]
+            s_idx = list(range(len(params)))
         seeds = [p.seed or 0 for p in sampled]
         filters = [(p.top_p < 1, p.min_p > 0, p.top_k > 0) for p in sampled]
-        s_idx = [i for i, p in enumerate(params) if not p.greedy]
-        order = [i for i, p in enumerate(params) if p.greedy] + s_idx
+        order = [i for i, p in enumerate(params) if i not in set(s_idx)] + s_idx
         return cls(
             temperature=_column([p.temperature for p in sampled], mx.float32),
             top_p=_column([p.top_p for p in sampled], mx.float32),
@@ -159,7 +170,9 @@ class RowParams:
             seed_hi=_column([s >> 32 for s in seeds], mx.uint32),
             seeded=_column([p.seed is not None for p in sampled], mx.bool_),
             greedy=mx.array([p.greedy for p in params]),
-            all_greedy=not sampled,
+            plain=(_column([p.greedy for p in params], mx.bool_) if not num_candidates
+                   else mx.array(False)),
+            all_greedy=all(p.greedy for p in params),
             homogeneous=len({p.key() for p in params}) == 1 and all(p.seed is None for p in params),
             any_seeded=any(p.seed is not None for p in sampled),
             all_seeded=all(p.seed is not None for p in sampled),
@@ -255,10 +268,12 @@ def _subset(rows: RowParams, idx: tuple[int, ...]) -> RowParams:
 
 
 @mx.compile
-def _masked_argmax(x: mx.array, floor: mx.array, inv_temp: mx.array, g: mx.array) -> mx.array:
+def _masked_argmax(x: mx.array, floor: mx.array, inv_temp: mx.array, g: mx.array,
+                   plain: mx.array) -> mx.array:
     # Compiled so the full-vocabulary passes fuse: otherwise ~1.5x slower than
     # mlx-lm's own compiled categorical at (64, 152k).
-    z = mx.where(x >= floor, x.astype(mx.float32) * inv_temp + g, _NEG_INF)
+    x32 = x.astype(mx.float32)
+    z = mx.where(x >= floor, mx.where(plain, x32, x32 * inv_temp + g), _NEG_INF)
     return mx.argmax(z, axis=-1).astype(mx.uint32)
 
 
@@ -287,7 +302,7 @@ def _draw_wide(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
         floor = mx.maximum(floor, x.max(axis=-1, keepdims=True) + rows.log_min_p)
     tokens = mx.arange(x.shape[-1], dtype=mx.uint32).reshape(1, -1)
     g = _noise(x.shape, tokens, rows, positions)
-    return _masked_argmax(x, floor, rows.inv_temperature, g)
+    return _masked_argmax(x, floor, rows.inv_temperature, g, rows.plain)
 
 
 def _draw_narrow(vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams,
