@@ -292,13 +292,17 @@ def _draw_wide(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
     value all stay in, where mlx-lm's argpartition would keep an arbitrary k of them.
     """
     floor = mx.array(_NEG_INF)
+    top = None
     if rows.any_top_p or rows.any_top_k:
-        srt = mx.sort(x, axis=-1)  # one sort serves every row's top_p and top_k
+        srt = mx.sort(x, axis=-1)  # one sort serves every row's top_p, top_k and min_p
+        top = srt[:, -1:]
         if rows.any_top_p:
             floor = _full_top_p(x, rows.top_p, srt)
         if rows.any_top_k:
             floor = mx.maximum(floor, _full_top_k(srt, rows.top_k))
-    if rows.any_min_p:  # the row max alone costs ~15% of this draw: skip it if unused
+    if rows.any_min_p and top is not None:
+        floor = mx.maximum(floor, top + rows.log_min_p)
+    elif rows.any_min_p:  # the row max alone costs ~15% of this draw: skip it if unused
         floor = mx.maximum(floor, x.max(axis=-1, keepdims=True) + rows.log_min_p)
     tokens = mx.arange(x.shape[-1], dtype=mx.uint32).reshape(1, -1)
     g = _noise(x.shape, tokens, rows, positions)
