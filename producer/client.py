@@ -325,9 +325,11 @@ class Job:
                 p.execute()
             return True
         try:
-            self._rq().cancel()
+            job = self._rq()
+            job.cancel()
         except InvalidJobOperation:
             return False
+        r.expire(job.key, self._client.failure_ttl)  # rq gives canceled jobs no expiry
         # It may have been dequeued into a worker's window meanwhile: tell workers too.
         with r.pipeline() as p:
             p.sadd(keys.cancel_set(q), self.id)

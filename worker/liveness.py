@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -29,6 +30,8 @@ log = logging.getLogger("mlxq.worker")
 
 BEAT_S = 1.0
 DEAD_AFTER_S = 5.0
+#: How often rq's registries are swept of expired entries.
+SWEEP_S = 60.0
 #: How long one reaper may hold a dead worker's lock before another may try.
 REAP_LOCK_S = 60
 
@@ -60,12 +63,14 @@ class Liveness:
     """
 
     def __init__(self, connection: redis.Redis, queue: Queue, name: str,
-                 on_reaped: Callable[[], None]) -> None:
+                 on_reaped: Callable[[], None], sweep: Callable[[], None]) -> None:
         self.redis, self.queue, self.name, self.on_reaped = connection, queue, name, on_reaped
         self.value = f"{socket.gethostname()}:{os.getpid()}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlxq-liveness", daemon=True)
         self.reaped_jobs = 0
+        self.sweep = sweep
+        self._next_sweep = 0.0
 
     def start(self) -> None:
         self.beat()
@@ -93,6 +98,9 @@ class Liveness:
                     self.on_reaped()
                     self.redis.sadd(keys.workers_key(self.queue.name), self.name)
                 self.reap()
+                if time.monotonic() >= self._next_sweep:
+                    self._next_sweep = time.monotonic() + SWEEP_S
+                    self.sweep()
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("heartbeat: redis unavailable (%s)", e)
             except Exception:

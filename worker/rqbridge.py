@@ -18,7 +18,7 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry
+from rq.registry import FailedJobRegistry, clean_registries
 from rq.utils import as_text, now
 from rq.worker import SimpleWorker
 
@@ -31,6 +31,14 @@ log = logging.getLogger("mlxq.worker")
 
 #: How long the record of a job that could not even be read is kept.
 UNREADABLE_TTL = 7 * 24 * 3600
+#: The longest a failed or canceled job's record is kept, whatever a (rogue) producer
+#: asked: rq's own default is a year, and a canceled job gets no expiry at all.
+MAX_FAILURE_TTL = 7 * 24 * 3600
+
+
+def _failure_ttl(job: Job) -> int:
+    ttl = job.failure_ttl
+    return MAX_FAILURE_TTL if ttl is None or ttl <= 0 else min(int(ttl), MAX_FAILURE_TTL)
 
 
 @dataclass(slots=True)
@@ -143,6 +151,7 @@ class RqBridge:
 
     def fail(self, r: Running, reason: str) -> None:
         r.job.ended_at = now()
+        r.job.failure_ttl = _failure_ttl(r.job)
         self.worker.handle_job_failure(r.job, self.queue, exc_string=reason,
                                        execution=r.execution)
         self.redis.lrem(self.wip, 1, r.job.id)
@@ -152,6 +161,7 @@ class RqBridge:
         log.warning("job %s failed before start: %s", job.id, reason)
         with self.redis.pipeline() as p:
             job.ended_at = now()
+            job.failure_ttl = _failure_ttl(job)
             job.set_status(JobStatus.FAILED, pipeline=p)
             job._handle_failure(reason, pipeline=p, worker_name=self.name)
             p.lrem(self.wip, 1, job.id)
@@ -187,9 +197,62 @@ class RqBridge:
         except Exception as e:  # already canceled by the producer's call
             log.debug("cancel of %s: %s", r.job.id, e)
         with self.redis.pipeline() as p:
+            p.expire(r.job.key, _failure_ttl(r.job))  # rq gives canceled jobs no expiry
             p.srem(keys.cancel_set(self.queue.name), r.job.id)
             p.lrem(self.wip, 1, r.job.id)
             p.execute()
+
+    def forget_executions(self, job: Job) -> None:
+        """Delete executions a start left behind when Redis failed halfway through it."""
+        with self.redis.pipeline() as p:
+            for execution in job.get_executions():
+                execution.delete(job=job, pipeline=p)
+            p.execute()
+
+    def reconcile(self, held: set[str]) -> list[Job]:
+        """After a Redis error: the WIP list is the truth of what this worker holds.
+
+        A move whose reply was lost put a job in the list that the worker never saw;
+        those still queued are returned to be buffered, ended ones are dropped, and a
+        started one this worker does not run is requeued.
+        """
+        found = []
+        for raw in self.redis.lrange(self.wip, 0, -1):
+            job_id = as_text(raw)
+            if job_id in held:
+                continue
+            try:
+                job = Job.fetch(job_id, connection=self.redis, serializer=MsgpackSerializer)
+            except NoSuchJobError:
+                self.redis.lrem(self.wip, 1, job_id)
+                continue
+            status = job.get_status(refresh=False)
+            if status in (JobStatus.QUEUED, JobStatus.CREATED):
+                found.append(job)
+            elif status == JobStatus.STARTED:
+                self.forget_executions(job)
+                with self.redis.pipeline() as p:
+                    job.set_status(JobStatus.QUEUED, pipeline=p)
+                    p.lrem(self.wip, 1, job_id)
+                    self.queue.push_job_id(job_id, pipeline=p, at_front=True)
+                    p.execute()
+            else:
+                self.redis.lrem(self.wip, 1, job_id)
+        return found
+
+    def sweep(self) -> None:
+        """Expire what rq leaves to maintenance (run by no rq worker here): its registries'
+        stale entries, and canceled entries whose job record has expired."""
+        clean_registries(self.queue)
+        canceled = self.queue.canceled_job_registry
+        ids = canceled.get_job_ids(cleanup=False)
+        with self.redis.pipeline() as p:
+            for job_id in ids:
+                p.exists(f"{Job.redis_job_namespace_prefix}{job_id}")
+            alive = p.execute()
+        gone = [j for j, ok in zip(ids, alive, strict=True) if not ok]
+        if gone:
+            self.redis.zrem(canceled.key, *gone)
 
     def _fail_unreadable(self, job_id: str, reason: str) -> None:
         log.warning("job %s failed: %s", job_id, reason)

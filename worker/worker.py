@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 from rq.job import Job
+from rq.utils import as_text
 from rq.utils import now as rq_now
 
 from mlxq.batching.admission import AdmissionPolicy, Pending, Window, admit
@@ -124,7 +125,10 @@ class Worker:
         self._last_poll = self._last_beat = self._last_deadline_check = 0.0
         self.sink = Sink(self.redis, stream_ttl=config.stream_ttl)
         self.cancels = CancelListener(self.redis, config.queue)
-        self.liveness = Liveness(self.redis, self.rq.queue, self.name, self._reaped.set)
+        self.liveness = Liveness(self.redis, self.rq.queue, self.name, self._reaped.set,
+                                 self.rq.sweep)
+        self._resync = False
+        self._starting: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -163,6 +167,7 @@ class Worker:
                 delay = 0.05
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("redis unavailable (%s); retrying in %.2fs", e, delay)
+                self._resync = True
                 if self.running:
                     self._step()
                 time.sleep(delay)
@@ -171,6 +176,11 @@ class Worker:
     def _turn(self) -> None:
         if self._reaped.is_set():
             self._abandon()
+        if self._resync:  # a reply lost with the connection may have moved a job to us
+            for job in self.rq.reconcile(set(self.pending) | set(self.running)):
+                log.warning("recovered %s from this worker's WIP list", job.id)
+                self._buffer(job)
+            self._resync = False
         self._fill()
         self._apply_cancels()
         self._admit()
@@ -278,8 +288,12 @@ class Worker:
         except Exception as e:  # a tokenizer or template error is this job's, not ours
             self._fail_unstarted(job, f"invalid job: {type(e).__name__}: {e}")
             return
-        attempt, last_seq = self._next_attempt(job.id)
+        if job.id in self._starting:  # an earlier start of it was cut off by Redis
+            self.rq.forget_executions(job)
+        self._starting.add(job.id)
         r = self.rq.start(job, req)
+        attempt, last_seq = self._next_attempt(job.id)  # counted once the start holds
+        self._starting.discard(job.id)
         r.attempt, r.seq = attempt, last_seq
         r.deadline = None if req.timeout is None else time.monotonic() + req.timeout
         self.running[job.id] = r
@@ -373,7 +387,9 @@ class Worker:
 
     def _apply_cancels(self) -> None:
         for job_id in self.cancels.take():
-            if job_id in self.pending:
+            if job_id not in self.pending and job_id not in self.running:
+                self._forget_cancel_if_ended(job_id)
+            elif job_id in self.pending:
                 del self.pending[job_id]
                 self.rq.drop_unstarted(job_id)
                 self.cancels.done(job_id)
@@ -384,6 +400,12 @@ class Worker:
                 r.seq += 1
                 final = Chunk(r.seq, finish_reason="canceled", attempt=r.attempt)
                 self._end(r, final, partial(self.rq.cancel, r))
+
+    def _forget_cancel_if_ended(self, job_id: str) -> None:
+        # Not ours: another worker may run it, so only an ended job's request is dropped.
+        status = self.redis.hget(f"{Job.redis_job_namespace_prefix}{job_id}", "status")
+        if status is None or as_text(status) in ("finished", "failed", "canceled", "stopped"):
+            self.cancels.done(job_id)
 
     def _expire(self) -> None:
         """Fail jobs past their deadline: running past ``timeout``, queued past ``ttl``."""
