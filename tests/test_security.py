@@ -96,23 +96,13 @@ Spawn = Callable[..., WorkerProcess]
 
 
 @pytest.fixture
-def spawn(tiny_model: Path, tmp_path: Path) -> Iterator[Spawn]:
-    """Start ``mlxq worker`` processes against any URL: ``spawn(url, queue, ready=True)``."""
-    started: list[WorkerProcess] = []
+def spawn(start_worker: Callable[..., WorkerProcess]) -> Spawn:
+    """``start_worker`` against any URL: ``spawn(url, queue, ready=True, **opts)``."""
 
     def start(url: str, queue: str, ready: bool = True, **opts: object) -> WorkerProcess:
-        args = ["--model", str(tiny_model), "--redis-url", url, "--queue", queue]
-        for k, v in opts.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
-        w = WorkerProcess(args, tmp_path / f"sec-worker{len(started)}.log", url, queue)
-        started.append(w)
-        if ready:
-            w.wait_ready()
-        return w
+        return start_worker(queue=queue, ready=ready, redis_url=url, **opts)
 
-    yield start
-    for w in started:
-        w.stop()
+    return start
 
 
 def run_one_job(url: str, queue: str) -> str:
