@@ -77,12 +77,14 @@ class Liveness:
         self.redis.sadd(keys.workers_key(self.queue.name), self.name)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Leave the roll cleanly (after the worker requeued or finished its jobs)."""
+    def stop(self, leave: bool = True) -> None:
+        """Stop beating. ``leave``: also leave the roll (the worker holds no job);
+        otherwise stay on it, dead, for a live worker to requeue what it held."""
         self._stop.set()
         self._thread.join(5)
         with self.redis.pipeline() as p:
-            p.srem(keys.workers_key(self.queue.name), self.name)
+            if leave:
+                p.srem(keys.workers_key(self.queue.name), self.name)
             p.delete(keys.alive_key(self.name))
             p.execute()
 

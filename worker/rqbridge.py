@@ -204,10 +204,7 @@ class RqBridge:
 
     def forget_executions(self, job: Job) -> None:
         """Delete executions a start left behind when Redis failed halfway through it."""
-        with self.redis.pipeline() as p:
-            for execution in job.get_executions():
-                execution.delete(job=job, pipeline=p)
-            p.execute()
+        forget_executions(self.redis, job)
 
     def reconcile(self, held: set[str]) -> list[Job]:
         """After a Redis error: the WIP list is the truth of what this worker holds.
@@ -286,10 +283,11 @@ def requeue_orphans(connection: redis.Redis, queue: Queue, dead: str) -> list[st
         except NoSuchJobError:
             connection.lrem(wip, 1, job_id)
             continue
+        if status in (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.CREATED):
+            forget_executions(connection, job)
         with connection.pipeline() as p:
             p.lrem(wip, 1, job_id)
             if status in (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.CREATED):
-                queue.started_job_registry.remove_executions(job, pipeline=p)
                 job.set_status(JobStatus.QUEUED, pipeline=p)
                 queue.push_job_id(job_id, pipeline=p, at_front=True)
                 requeued.append(job_id)
@@ -299,3 +297,18 @@ def requeue_orphans(connection: redis.Redis, queue: Queue, dead: str) -> list[st
     if connection.exists(dead_rq.key):
         dead_rq.register_death()
     return requeued[::-1]
+
+
+def forget_executions(connection: redis.Redis, job: Job) -> None:
+    """Delete a job's executions by id: out of StartedJobRegistry and its own registry.
+
+    By id, not through rq's ``job.get_executions()``, which raises when an execution's
+    hash has already expired (or was lost with a Redis restart) while its id lingers.
+    """
+    ids = job.execution_registry.get_execution_ids()
+    if not ids:
+        return
+    with connection.pipeline() as p:
+        for execution_id in ids:
+            Execution(execution_id, job.id, connection).delete(job=job, pipeline=p)
+        p.execute()

@@ -150,10 +150,16 @@ class Worker:
             self._serve(self._drain_turn, until=lambda: not (self.running or self.pending))
         finally:
             self.cancels.stop()
-            self._write_stats("stopped")
             self.sink.close()
-            self.liveness.stop()
-            self.rq.unregister()
+            # Leave the roll only with nothing held; else stay on it, marked dead, so a
+            # live worker requeues what this one still holds at once.
+            leave = self._holds_nothing()
+            for last_words in (partial(self._write_stats, "stopped"),
+                               partial(self.liveness.stop, leave=leave), self.rq.unregister):
+                try:
+                    last_words()
+                except redis.RedisError as e:  # Redis is gone: the reaper covers for us
+                    log.warning("on exit: %s", e)
             log.info("worker %s stopped", self.name)
         return 0
 
@@ -172,6 +178,19 @@ class Worker:
                     self._step()
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except Exception:
+                # The one broad catch: whatever a turn hit (a Redis reply rq did not
+                # expect, say), the worker logs it, re-checks what it holds and serves on.
+                log.exception("worker turn failed; going on")
+                self._resync = True
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _holds_nothing(self) -> bool:
+        try:
+            return not self.redis.llen(self.rq.wip)
+        except redis.RedisError:
+            return False
 
     def _turn(self) -> None:
         if self._reaped.is_set():
@@ -304,7 +323,11 @@ class Worker:
         if attempt > 1:  # tell listeners to drop what an earlier attempt streamed
             r.seq += 1
             self.sink.put([Out(job.id, Chunk(r.seq, kind="reset", attempt=attempt))])
-        self.engine.add(job.id, req, ids)
+        try:
+            self.engine.add(job.id, req, ids)
+        except Exception as e:  # this job's, not the batch's: nothing of it reached MLX yet
+            self._fail(r, f"engine error: {type(e).__name__}: {e}")
+            return
         self.fresh.add(job.id)
         self.rq.set_state("busy")
 
