@@ -129,6 +129,7 @@ class Worker:
                                  self.rq.sweep)
         self._resync = False
         self._starting: set[str] = set()
+        self.ending: set[str] = set()  # ended here, end not yet committed by the sink
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -196,7 +197,7 @@ class Worker:
         if self._reaped.is_set():
             self._abandon()
         if self._resync:  # a reply lost with the connection may have moved a job to us
-            for job in self.rq.reconcile(set(self.pending) | set(self.running)):
+            for job in self.rq.reconcile({*self.pending, *self.running, *self.ending}):
                 log.warning("recovered %s from this worker's WIP list", job.id)
                 self._buffer(job)
             self._resync = False
@@ -229,7 +230,7 @@ class Worker:
     def _requeue(self, r: Running, why: str) -> None:
         log.info("requeued %s (%s)", r.job.id, why)
         self.fresh.discard(r.job.id)
-        self.sink.then(partial(self.rq.requeue, r))
+        self._hand_over(r.job.id, partial(self.rq.requeue, r))
 
     def _abandon(self) -> None:
         """Another worker declared this one dead and requeued its jobs: drop them all."""
@@ -390,8 +391,19 @@ class Worker:
         chunk finds the job's final state and result."""
         self.running.pop(r.job.id, None)
         self.fresh.discard(r.job.id)
-        self.sink.then(commit)
+        self._hand_over(r.job.id, commit)
         self.sink.put([Out(r.job.id, final)])
+
+    def _hand_over(self, job_id: str, commit: Callable[[], None]) -> None:
+        """Queue a job's end for the sink. Until it is committed the job is still in
+        this worker's WIP list, and still this worker's: reconcile must not take it."""
+        self.ending.add(job_id)
+
+        def run() -> None:
+            commit()
+            self.ending.discard(job_id)
+
+        self.sink.then(run)
 
     def _commit_success(self, r: Running, final: Chunk) -> None:
         # Built from the very chunks streamed, so streamed text joined equals the result.
