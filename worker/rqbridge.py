@@ -122,7 +122,9 @@ class RqBridge:
         if timeout is None:
             raw = self.redis.lmove(self.queue.key, self.wip, "LEFT", "RIGHT")
         else:
-            raw = self.redis.blmove(self.queue.key, self.wip, timeout, "LEFT", "RIGHT")
+            # redis-py annotates an int; BLMOVE takes fractions of a second (Redis >= 6).
+            raw = self.redis.blmove(self.queue.key, self.wip, timeout,  # type: ignore[arg-type]
+                                    "LEFT", "RIGHT")
         if raw is None:
             return None
         job_id = as_text(raw)
