@@ -149,7 +149,8 @@ def test_window_puts_a_burst_into_one_prefill(redis_server, queue_name, start_wo
 def test_jobs_join_a_running_batch(redis_server, queue_name, start_worker):
     start_worker(window_ms=0, max_batch=8)
     client = _client(redis_server, queue_name)
-    long = client.submit("A long story", max_tokens=400, temperature=1.0, min_p=0.0)
+    # Seeded: whether a random model stops early is then the same on every run.
+    long = client.submit("A long story", max_tokens=400, temperature=1.0, seed=11)
     it = long.stream(timeout=60)
     next(it)  # the long job is decoding
     short = client.submit("short", max_tokens=4).result(timeout=60)
@@ -207,7 +208,7 @@ def test_cancel_queued_and_running(redis_server, queue_name, start_worker):
     assert queued.cancel() is True
     assert queued.status() == "canceled"
     start_worker(window_ms=0)
-    running = client.submit("runs a while", max_tokens=2000, temperature=1.0)
+    running = client.submit("runs a while", max_tokens=2000, temperature=1.0, seed=5)
     it = running.stream(timeout=60)
     next(it)
     assert running.cancel() is True
