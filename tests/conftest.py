@@ -154,10 +154,11 @@ def start_worker(redis_server: RedisServer, tiny_model: Path, tmp_path: Path,
     started: list[WorkerProcess] = []
 
     def start(queue: str | None = None, ready: bool = True, redis_url: str | None = None,
-              **opts: object) -> WorkerProcess:
+              model: Path | None = None, **opts: object) -> WorkerProcess:
         q, url = queue or queue_name, redis_url or redis_server.url
         name = f"w{len(started)}-{uuid.uuid4().hex[:8]}"
-        args = ["--model", str(tiny_model), "--redis-url", url, "--queue", q, "--name", name]
+        args = ["--model", str(model or tiny_model), "--redis-url", url, "--queue", q,
+                "--name", name]
         for k, v in opts.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         w = WorkerProcess(args, tmp_path / f"worker{len(started)}.log", url, q, name)

@@ -255,3 +255,29 @@ def test_poison_job_fails_alone_and_the_batch_goes_on(redis_server, queue_name, 
         assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
     finally:
         assert w.stop() == 0, w.output()
+
+
+def test_a_chat_template_error_fails_that_job_alone(redis_server, queue_name, start_worker,
+                                                    tiny_model, tmp_path: Path):
+    import json
+    import shutil
+
+    strict = tmp_path / "strict-model"
+    shutil.copytree(tiny_model, strict)
+    cfg_path = strict / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    # Many real templates refuse some conversations; this one refuses tool turns.
+    cfg["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
+                            "{{ raise_exception('tool turns are not supported') }}"
+                            "{% endif %}{% endfor %}" + cfg["chat_template"])
+    cfg_path.write_text(json.dumps(cfg))
+    start_worker(model=strict)
+    client = Client(redis_server.url, queue=queue_name)
+    good = client.submit(messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+    bad = client.submit(messages=[{"role": "user", "content": "hi"},
+                                  {"role": "tool", "content": "{}"}], max_tokens=8)
+    with pytest.raises(JobFailed, match="tool turns are not supported"):
+        bad.result(timeout=60)
+    assert good.result(timeout=60).token_ids
+    assert client.submit("still serving", max_tokens=3).result(timeout=60).token_ids
+
