@@ -318,19 +318,14 @@ class Job:
         if st in TERMINAL:
             return False
         r, q = self._client.redis, self._client.queue_name
-        if st == "started":
-            with r.pipeline() as p:
-                p.sadd(keys.cancel_set(q), self.id)
-                p.publish(keys.cancel_channel(q), self.id)
-                p.execute()
-            return True
-        try:
-            job = self._rq()
-            job.cancel()
-        except InvalidJobOperation:
-            return False
-        r.expire(job.key, self._client.failure_ttl)  # rq gives canceled jobs no expiry
-        # It may have been dequeued into a worker's window meanwhile: tell workers too.
+        if st != "started":
+            try:
+                job = self._rq()
+                job.cancel()
+            except InvalidJobOperation:
+                return False
+            r.expire(job.key, self._client.failure_ttl)  # rq gives canceled jobs no expiry
+        # Running, or dequeued into a worker's buffer meanwhile: tell the workers.
         with r.pipeline() as p:
             p.sadd(keys.cancel_set(q), self.id)
             p.publish(keys.cancel_channel(q), self.id)

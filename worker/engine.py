@@ -50,7 +50,7 @@ class RowSampler:
         self._done.pop(uid, None)
 
     def bind(self, uids: Sequence[int]) -> None:
-        if list(uids) == self._uids:
+        if uids == self._uids:  # the common case, every decode step: no copy
             return
         for u in self._uids:  # fold the calls since the last binding into each row's count
             if u in self._done:
@@ -184,9 +184,6 @@ class Engine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - len(self._rows)
-
-    def job_ids(self) -> list[str]:
-        return list(self._uid_of)
 
     def encode(self, req: GenerationRequest) -> list[int]:
         """Tokenize a request's prompt (or render its chat through the template).

@@ -45,14 +45,11 @@ class Sink:
     Args:
         connection: Redis connection (thread-safe pool).
         stream_ttl: Seconds a job's replay log lives after its last write.
-        on_error: Called with the exception when a write fails for good.
     """
 
-    def __init__(self, connection: redis.Redis, *, stream_ttl: int = DEFAULT_STREAM_TTL,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, connection: redis.Redis, *, stream_ttl: int = DEFAULT_STREAM_TTL) -> None:
         self.redis = connection
         self.stream_ttl = stream_ttl
-        self.on_error = on_error
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._actions_pending = 0
@@ -131,8 +128,6 @@ class Sink:
                 log.warning("redis unavailable (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-            except Exception as e:
+            except Exception:
                 log.exception("sink write failed")
-                if self.on_error:
-                    self.on_error(e)
                 return

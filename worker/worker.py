@@ -130,6 +130,7 @@ class Worker:
         self._resync = False
         self._starting: set[str] = set()
         self.ending: set[str] = set()  # ended here, end not yet committed by the sink
+        self._drain_deadline: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -172,17 +173,15 @@ class Worker:
             try:
                 turn()
                 delay = 0.05
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("redis unavailable (%s); retrying in %.2fs", e, delay)
-                self._resync = True
-                if self.running:
-                    self._step()
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except Exception:
-                # The one broad catch: whatever a turn hit (a Redis reply rq did not
-                # expect, say), the worker logs it, re-checks what it holds and serves on.
-                log.exception("worker turn failed; going on")
+            except Exception as e:
+                # The one broad catch: whatever a turn hit (Redis gone, a reply rq did
+                # not expect), the worker logs it, re-checks what it holds and serves on.
+                if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+                    log.warning("redis unavailable (%s); retrying in %.2fs", e, delay)
+                    if self.running:
+                        self._step()
+                else:
+                    log.exception("worker turn failed; going on")
                 self._resync = True
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -224,8 +223,6 @@ class Worker:
             return
         for job_id in self.engine.remove(list(self.running)):
             self._requeue(self.running.pop(job_id), "grace period over")
-
-    _drain_deadline: float | None = None
 
     def _requeue(self, r: Running, why: str) -> None:
         log.info("requeued %s (%s)", r.job.id, why)
