@@ -32,12 +32,29 @@ below the pending buffer's capacity. ``max_wait_steps=0`` is strict FIFO.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from mlxq.producer.params import ParamKey
+
+
+class Waiting(Protocol):
+    """What admission reads of a waiting job (a :class:`Pending`, or the worker's own
+    job record)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def key(self) -> ParamKey: ...
+
+    @property
+    def arrived_step(self) -> int: ...
+
+
+W = TypeVar("W", bound=Waiting)
 
 
 def _check_int(name: str, value: object, lowest: int) -> None:
@@ -87,7 +104,7 @@ class AdmissionPolicy:
 
 
 def _check_call(
-    pending: Sequence[Pending],
+    pending: Sequence[Waiting],
     running: Mapping[ParamKey, int],
     free_slots: int,
     step: int,
@@ -107,18 +124,16 @@ def _check_call(
         )
 
 
-def _fill_by_homogeneity(
-    fresh: Sequence[Pending], counts: Counter[ParamKey], slots: int
-) -> list[Pending]:
+def _fill_by_homogeneity(fresh: Sequence[W], counts: Counter[ParamKey], slots: int) -> list[W]:
     """Up to ``slots`` jobs of ``fresh`` (in FIFO order), running keys first,
     then larger key groups, oldest first inside a key."""
-    groups: dict[ParamKey, list[Pending]] = {}
+    groups: dict[ParamKey, list[W]] = {}
     for p in fresh:
         groups.setdefault(p.key, []).append(p)
     # The sort is stable and ``groups`` is in order of each key's oldest job,
     # so equal ranks go to the key that has waited longest.
     order = sorted(groups, key=lambda k: (counts[k] == 0, -(counts[k] + len(groups[k]))))
-    chosen: list[Pending] = []
+    chosen: list[W] = []
     for key in order:
         chosen.extend(groups[key][: slots - len(chosen)])
         if len(chosen) == slots:
@@ -127,12 +142,12 @@ def _fill_by_homogeneity(
 
 
 def admit(
-    pending: Sequence[Pending],
+    pending: Sequence[W],
     running: Mapping[ParamKey, int],
     free_slots: int,
     step: int,
     policy: AdmissionPolicy,
-) -> list[Pending]:
+) -> list[W]:
     """Choose the pending jobs that enter the batch at this decode step.
 
     Aged jobs first, oldest first; then jobs with a key the batch runs; then the
@@ -162,7 +177,7 @@ def admit(
         return []
     fifo = sorted(pending, key=lambda p: p.arrived_step)
 
-    def aged(p: Pending) -> bool:
+    def aged(p: W) -> bool:
         return step - p.arrived_step >= policy.max_wait_steps
 
     chosen = [p for p in fifo if aged(p)][:slots]
@@ -173,73 +188,3 @@ def admit(
     counts.update(p.key for p in chosen)
     fresh = [p for p in fifo if not aged(p)]
     return chosen + _fill_by_homogeneity(fresh, counts, slots - len(chosen))
-
-
-@dataclass(slots=True)
-class Window:
-    """The time window an idle worker holds open so early jobs share one prefill.
-
-    Why: prefill runs the whole prompt through the model, and on the sizes mlxq
-    serves one forward pass over N prompts costs far less than N passes (the
-    weights are read once, the matmuls get wider). When the worker is idle and a
-    first job arrives, it waits a moment for more, then prefills them together.
-    The wait is bounded twice: by ``window_s`` from the first arrival, which
-    later arrivals never extend, and by ``max_batch`` pending jobs, since a full
-    batch gains nothing from waiting.
-
-    Recommended: ``window_s=0.020`` (20 ms, about one decode step of a small
-    model, so the first job loses at most a token's worth of latency) with
-    ``max_batch=32`` on CPU and ``64`` on a GPU, where a pass stays near
-    memory-bound to larger batches. ``window_s=0`` disables the window.
-
-    Usage: ``open(now)`` on the first arrival while idle; while not
-    ``should_close(now, len(pending))``, block on the queue for at most
-    ``remaining(now)`` seconds; then ``close()`` and prefill. ``now`` is any
-    monotonic clock in seconds, e.g. ``time.monotonic()``.
-
-    Args:
-        window_s: Longest wait in seconds after the first arrival; finite, >= 0.
-        max_batch: Pending jobs that close the window early; >= 1.
-
-    Raises:
-        ValueError: naming the field and the bad value.
-    """
-
-    window_s: float
-    max_batch: int
-    opened_at: float | None = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        w = self.window_s
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"window_s={w!r}: must be a finite number of seconds >= 0")
-        self.window_s = float(w)
-        _check_int("max_batch", self.max_batch, 1)
-
-    @property
-    def is_open(self) -> bool:
-        return self.opened_at is not None
-
-    def open(self, now: float) -> None:
-        """Start the window at ``now``; a no-op when already open, so a steady
-        trickle of arrivals cannot hold the first job back forever."""
-        if self.opened_at is None:
-            self.opened_at = now
-
-    def close(self) -> None:
-        """End the window (the batch is going to prefill)."""
-        self.opened_at = None
-
-    def remaining(self, now: float) -> float:
-        """Seconds left to wait: in ``[0, window_s]``; 0 when closed.
-
-        Clamped both ways, so a clock read before ``open`` cannot stretch the wait.
-        """
-        if self.opened_at is None:
-            return 0.0
-        return min(self.window_s, max(0.0, self.opened_at + self.window_s - now))
-
-    def should_close(self, now: float, pending_count: int) -> bool:
-        """Whether to stop waiting and prefill: the deadline has passed, or
-        ``pending_count`` fills a batch. A closed window never holds jobs back."""
-        return pending_count >= self.max_batch or self.remaining(now) == 0.0

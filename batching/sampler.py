@@ -32,11 +32,10 @@ host: the same work as mlx-lm's own sampler, whatever the mix.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from mlxq.producer.params import SamplingParams
 
@@ -375,31 +374,48 @@ def sample(logprobs: mx.array, rows: RowParams, positions: mx.array) -> mx.array
     return mx.concatenate([greedy, sampled])[rows.unpermute]
 
 
-def make_shared_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """A sampler for a batch whose rows all share ``params`` (unseeded).
+class RowSampler:
+    """One sampler object for a whole continuous batch that knows each row's own params.
 
-    Measured with ``ops/bench_sampler.py --micro`` (2-core CPU, V = 152k, B = 64,
-    ms per call, mlxq vs mlx-lm's own, peaked logits): top_p 0.9 128 vs 1047,
-    top_k 40 126 vs 308, min_p 0.05 127 vs 193 (260 vs 161 when flat logits push
-    the min-p set past the candidates), temperature only 183 vs 149 (but 30 vs 33
-    at B = 16). So mlx-lm's own sampler when there is nothing to filter, mlxq's
-    whenever a filter is set.
-
-    Args:
-        params: The shared params; their seed is ignored.
-
-    Returns:
-        A callable mapping (B, V) log-probs to (B,) uint32 token ids.
+    mlx-lm samples a step with one call only when every row holds the same sampler
+    object, so every row gets this one. ``bind(uids)`` names the rows (by mlx-lm uid, in
+    batch order) of the next call; ``__call__`` samples them all at once. Per-row arrays
+    are rebuilt only when the rows change. Seeded rows need each row's position (tokens
+    it sampled so far), which this counts per uid.
     """
-    if not (params.top_p < 1 or params.top_k or params.min_p) or params.greedy:
-        return make_sampler(params.temperature)
-    rows: dict[int, RowParams] = {}
-    shared = SamplingParams(params.temperature, params.top_p, params.top_k, params.min_p)
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        b = logprobs.shape[0]
-        if b not in rows:
-            rows[b] = RowParams.from_params([shared] * b)
-        return sample(logprobs, rows[b], mx.zeros((b,), dtype=mx.int32))
+    def __init__(self) -> None:
+        self._params: dict[int, SamplingParams] = {}
+        self._done: dict[int, int] = {}  # tokens sampled per uid before the current binding
+        self._uids: list[int] = []
+        self._rows: RowParams | None = None
+        self._positions: mx.array | None = None
+        self._calls_bound = 0
+        self.calls = 0
 
-    return sampler
+    def add(self, uid: int, params: SamplingParams) -> None:
+        self._params[uid] = params
+        self._done[uid] = 0
+
+    def drop(self, uid: int) -> None:
+        self._params.pop(uid, None)
+        self._done.pop(uid, None)
+
+    def bind(self, uids: Sequence[int]) -> None:
+        if uids == self._uids:  # the common case, every decode step: no copy
+            return
+        for u in self._uids:  # fold the calls since the last binding into each row's count
+            if u in self._done:
+                self._done[u] += self._calls_bound
+        self._uids = list(uids)
+        self._calls_bound = 0
+        self._rows = RowParams.from_params([self._params[u] for u in self._uids])
+        self._positions = mx.array([self._done[u] for u in self._uids], dtype=mx.uint32)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self._rows is None or self._positions is None or logprobs.shape[0] != len(self._uids):
+            raise RuntimeError(f"sampler bound to {len(self._uids)} rows, got {logprobs.shape[0]}")
+        self.calls += 1
+        tokens = sample(logprobs, self._rows, self._positions + self._calls_bound)
+        self._calls_bound += 1
+        return tokens

@@ -15,16 +15,17 @@ import tempfile
 
 from mlxq.producer.params import GenerationRequest, SamplingParams
 from mlxq.worker.engine import Engine
+from mlxq.worker.jobs import Job
 
 
 def run(engine: Engine, jobs: dict[str, GenerationRequest]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {j: [] for j in jobs}
-    for j, req in jobs.items():
-        engine.add(j, req, engine.encode(req))
+    records = [Job(j, req, engine.encode(req)) for j, req in jobs.items()]
+    for job in records:
+        job.start("exec", engine.new_detokenizer())
+    engine.add(records)
     while engine.active:
-        for ev in engine.step():
-            out[ev.job_id].extend(ev.token_ids)
-    return out
+        engine.step()
+    return {job.id: job.token_ids for job in records}
 
 
 def main() -> None:

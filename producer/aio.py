@@ -1,8 +1,9 @@
 """The asyncio twin of :class:`~mlxq.producer.client.Client`, for async web backends.
 
-Streams wait on ``redis.asyncio`` without blocking the event loop; the short
-calls (submit, status, cancel) run the sync client's code in a thread, so both
-clients enqueue exactly the same rq jobs.
+Streams wait on ``redis.asyncio`` without blocking the event loop, through the same
+follow protocol as the sync client (:mod:`mlxq.producer.stream`); the short calls
+(submit, status, cancel) run the sync client's code in a thread, so both clients enqueue
+exactly the same rq jobs.
 """
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 
 from mlxq.producer import keys
-from mlxq.producer.client import DEFAULT_REDIS_URL, TERMINAL, Client, Job, Result, StreamCursor
-from mlxq.producer.codec import Chunk, decode_chunk, decode_entries
+from mlxq.producer.client import (
+    DEFAULT_REDIS_URL,
+    Client,
+    Job,
+    Result,
+    _status,
+    end_of,
+    latest_fields,
+)
+from mlxq.producer.codec import Chunk
+from mlxq.producer.connection import TRANSIENT, backoff
+from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
 
 
 class AsyncJob:
@@ -33,51 +44,47 @@ class AsyncJob:
     async def status(self) -> str:
         return await asyncio.to_thread(self._job.status)
 
+    async def failure_reason(self) -> str:
+        return await asyncio.to_thread(self._job.failure_reason)
+
     async def cancel(self) -> bool:
         return await asyncio.to_thread(self._job.cancel)
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """Async-iterate the job's chunks; see :meth:`Job.stream`."""
-        cur = StreamCursor(self.id, timeout)
-        while not cur.done:
+        follow = Follow(self.id, timeout)
+        failures = 0
+        while follow.next() != DONE:
             try:
-                async for c in self._follow(cur):
+                async for c in self._follow(follow):
                     yield c
-            except (redis.ConnectionError, redis.TimeoutError):
-                # Redis restarted or dropped us: resume from the last seq seen.
-                await asyncio.sleep(cur.backoff())
+                failures = 0
+            except TRANSIENT:
+                failures += 1
+                await asyncio.sleep(min(backoff().compute(failures), follow.wait_s()))
 
-    async def _follow(self, cur: StreamCursor) -> AsyncIterator[Chunk]:
-        pubsub = self._client.aredis.pubsub(ignore_subscribe_messages=True)
+    async def _follow(self, follow: Follow) -> AsyncIterator[Chunk]:
+        r = self._client.aredis
+        pubsub = r.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(keys.channel(self.id))
-            while not cur.done:
-                for c in cur.accept_all(await self._replay(cur.last)):
+            while (action := follow.next()) != DONE:
+                if action == READ_LOG:
+                    out = follow.on_log(await r.xrange(keys.stream_key(self.id),
+                                                       min=f"0-{follow.after}"))
+                elif action == WAIT:
+                    msg = await pubsub.get_message(timeout=follow.wait_s())
+                    out = follow.on_message(None if msg is None else msg["data"])
+                elif action == STATUS:
+                    out = follow.on_status(_status(await r.hget(keys.job_key(self.id), "status")))
+                elif action == END:
+                    raw = await r.hget(keys.job_key(self.id), "status")
+                    entries = await r.xrevrange(keys.results_key(self.id), count=1)
+                    out = follow.on_end(*end_of(raw, latest_fields(entries)))
+                for c in out:
                     yield c
-                if cur.done:
-                    return
-                if await asyncio.to_thread(self._job.end_without_final, cur) is not None:
-                    for c in cur.accept_all(await self._replay(cur.last)):
-                        yield c
-                    end = None if cur.done else await asyncio.to_thread(
-                        self._job.end_without_final, cur)
-                    for c in cur.accept_all([end] if end else []):
-                        yield c
-                    return
-                while (msg := await pubsub.get_message(timeout=cur.wait())) is not None:
-                    c = decode_chunk(msg["data"])
-                    if c.seq > cur.last + 1:
-                        break
-                    for x in cur.accept_all([c]):
-                        yield x
-                    if cur.done:
-                        return
         finally:
             await pubsub.aclose()
-
-    async def _replay(self, after: int) -> list[Chunk]:
-        return decode_entries(
-            await self._client.aredis.xrange(keys.stream_key(self.id), min=f"0-{after + 1}"))
 
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the end and return the output; see :meth:`Job.result`."""
@@ -94,7 +101,8 @@ class AsyncClient:
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
                  **kw: Any) -> None:
         self._sync = Client(redis_url, queue, **kw)
-        self.aredis = aioredis.Redis.from_url(redis_url)
+        self.aredis = aioredis.Redis.from_url(redis_url, retry=Retry(backoff(), 2),
+                                              health_check_interval=30)
         self.queue_name = queue
 
     async def submit(self, prompt: str | None = None, **kw: Any) -> AsyncJob:

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from mlxq.producer.client import DEFAULT_REDIS_URL, Client
 from mlxq.producer.errors import JobFailed, MlxqError
-
-WORKER_INSTALL_HINT = (
-    "the worker needs MLX and mlx-lm: pip install 'mlxq[worker]' "
-    "(on NVIDIA GPUs: pip install 'mlxq[cuda]')"
-)
+from mlxq.worker import cli as worker_cli
 
 
 def _redis_url_arg(p: argparse.ArgumentParser) -> None:
@@ -28,28 +23,9 @@ def _parser() -> argparse.ArgumentParser:
                                  "on MLX.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    model = sub.add_parser("model", help="build models").add_subparsers(dest="kind", required=True)
-    tiny = model.add_parser("tiny", help="write a tiny random-weight Llama model (HF layout)")
-    tiny.add_argument("dir")
-    tiny.add_argument("--seed", type=int, default=0)
-
-    w = sub.add_parser("worker", help="run the MLX worker")
-    w.add_argument("--model", required=True, help="mlx-lm model path or Hugging Face repo id")
-    _redis_url_arg(w)
-    w.add_argument("--queue", default="default")
-    w.add_argument("--window-ms", type=float, default=None,
-                   help="wait this long after a first job for others to share its prefill "
-                   "(default 20)")
-    w.add_argument("--max-batch", type=int, default=None,
-                   help="most jobs decoding at once (default 32)")
-    w.add_argument("--name", default=None, help="worker name (default host.pid.random)")
-    w.add_argument("--grace-s", type=float, default=None,
-                   help="on SIGTERM, seconds in-flight jobs may finish before requeue (default 30)")
-    w.add_argument("--stream-ttl", type=int, default=None,
-                   help="seconds a job's replay log lives after its last chunk (default 3600)")
-    w.add_argument("--max-tokens-cap", type=int, default=None,
-                   help="largest max_tokens a job may ask for (default 32768)")
-    w.add_argument("--log-level", default="INFO")
+    worker_cli.add_model_arguments(sub.add_parser("model", help="build models"))
+    worker_cli.add_worker_arguments(sub.add_parser(
+        "worker", help="run the MLX worker", description=worker_cli.WORKER_DESCRIPTION))
 
     s = sub.add_parser("submit", help="submit one job; print its id or stream its text")
     s.add_argument("prompt")
@@ -73,30 +49,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    try:
-        from mlxq.worker.tiny import build_tiny_model
-    except ImportError as e:
-        print(f"mlxq: {WORKER_INSTALL_HINT} ({e})", file=sys.stderr)
-        return 2
-    path = build_tiny_model(args.dir, seed=args.seed)
-    print(path)
-    return 0
+    return worker_cli.run_model(args)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    try:
-        from mlxq.worker.worker import Worker, WorkerConfig
-    except ImportError as e:
-        print(f"mlxq: {WORKER_INSTALL_HINT} ({e})", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    opts = {k: v for k, v in (("window_ms", args.window_ms), ("max_batch", args.max_batch),
-                              ("grace_s", args.grace_s), ("stream_ttl", args.stream_ttl),
-                              ("max_tokens_cap", args.max_tokens_cap)) if v is not None}
-    config = WorkerConfig(model=args.model, redis_url=args.redis_url, queue=args.queue,
-                          name=args.name, **opts)
-    return Worker(config).run()
+    return worker_cli.run_worker(args)
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:

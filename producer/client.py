@@ -5,43 +5,37 @@ Imports neither MLX nor mlx-lm, so it runs in any web backend.
 
 from __future__ import annotations
 
+import base64
 import time
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
 from rq import Queue
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
-from rq.job import Job as RqJob
-from rq.job import JobStatus
-from rq.utils import as_text
+from rq.utils import utcformat
 
-from mlxq.producer import keys
-from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_chunk, decode_entries
+from mlxq.producer import keys, scripts
+from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer
+from mlxq.producer.connection import TRANSIENT, backoff, connect
 from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob
 from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, SamplingParams
+from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
 
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
-#: How long results are kept (rq's default is 500 s; eval sweeps read them later).
-DEFAULT_RESULT_TTL = 24 * 3600
-#: How long failure records are kept (rq's default is a year; Redis would only grow).
-DEFAULT_FAILURE_TTL = 7 * 24 * 3600
-#: How often a waiting stream re-reads the replay log, in case a pub/sub message was lost.
-POLL_S = 0.5
+DEFAULT_REDIS_URL = keys.DEFAULT_REDIS_URL
+DEFAULT_RESULT_TTL = keys.DEFAULT_RESULT_TTL
+DEFAULT_FAILURE_TTL = keys.DEFAULT_FAILURE_TTL
+#: Most bytes of a failure reason read back (rq stores it compressed: never inflated
+#: past this, whatever a rogue record holds).
+MAX_REASON_BYTES = 64 * 1024
 
 _STATUS = {
-    JobStatus.QUEUED: "queued",
-    JobStatus.DEFERRED: "queued",
-    JobStatus.SCHEDULED: "queued",
-    JobStatus.CREATED: "queued",
-    JobStatus.STARTED: "started",
-    JobStatus.FINISHED: "finished",
-    JobStatus.FAILED: "failed",
-    JobStatus.CANCELED: "canceled",
-    JobStatus.STOPPED: "canceled",
+    "queued": "queued", "deferred": "queued", "scheduled": "queued", "created": "queued",
+    "started": "started", "finished": "finished", "failed": "failed",
+    "canceled": "canceled", "stopped": "canceled",
 }
-TERMINAL = frozenset({"finished", "failed", "canceled"})
 
 
 class QueueFull(MlxqError):
@@ -101,76 +95,6 @@ def build_request(
     )
 
 
-class StreamCursor:
-    """Where a listener is in one job's stream: dedupes and orders by ``seq``,
-    keeps the deadline, and handles re-runs: chunks of a superseded attempt are
-    skipped when replayed, and a listener that already showed some of them gets
-    one ``kind="reset"`` chunk, meaning "clear what you showed"."""
-
-    def __init__(self, job_id: str, timeout: float | None) -> None:
-        self.job_id = job_id
-        self.last = 0
-        self.done = False
-        self.shown = False
-        self.text = ""  # what the caller was shown since the last reset
-        self.num_tokens = 0
-        self.timeout = timeout
-        self._delay = 0.05
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-
-    def wait(self) -> float:
-        """Seconds to block on pub/sub before re-reading the log.
-
-        Raises:
-            JobTimeout: the deadline passed.
-        """
-        if self.deadline is None:
-            return POLL_S
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise JobTimeout(f"job {self.job_id}: no end within {self.timeout} s")
-        return min(POLL_S, left)
-
-    def backoff(self) -> float:
-        """Seconds to wait before reconnecting: 50 ms doubling to 2 s, within the deadline.
-
-        Raises:
-            JobTimeout: the deadline passed.
-        """
-        delay = min(self._delay, self.wait())
-        self._delay = min(self._delay * 2, 2.0)
-        return delay
-
-    def accept_all(self, chunks: Sequence[Chunk]) -> Iterator[Chunk]:
-        """The chunks a caller should see, in order, each once.
-
-        Raises:
-            JobFailed: on an error chunk.
-        """
-        resets = [i for i, c in enumerate(chunks) if c.kind == "reset" and c.seq > self.last]
-        if resets:  # text before the newest reset belongs to a superseded attempt
-            chunks = chunks[resets[-1]:]
-        for c in chunks:
-            if self.done or c.seq <= self.last:
-                continue
-            self.last = c.seq
-            if c.kind == "reset":
-                if self.shown:  # the caller saw text that is now void: tell it to clear
-                    self.shown, self.text, self.num_tokens = False, "", 0
-                    yield c
-                continue
-            self.shown = True
-            self.text += c.text
-            self.num_tokens += len(c.token_ids)
-            if c.kind == "error":
-                self.done = True
-                raise JobFailed(self.job_id, c.error or "unknown")
-            self.done = c.final
-            self._delay = 0.05
-            yield c
-            self.wait()
-
-
 class Job:
     """A handle on one submitted job; cheap, holds no connection of its own."""
 
@@ -181,11 +105,9 @@ class Job:
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
 
-    def _rq(self) -> RqJob:
-        try:
-            return RqJob.fetch(self.id, connection=self._client.redis, serializer=MsgpackSerializer)
-        except NoSuchJobError:
-            raise NoSuchJob(self.id) from None
+    @property
+    def _redis(self) -> redis.Redis:
+        return self._client.redis
 
     def status(self) -> str:
         """``"queued" | "started" | "finished" | "failed" | "canceled"``.
@@ -193,18 +115,16 @@ class Job:
         Raises:
             NoSuchJob: the job never existed or its records expired.
         """
-        raw = self._client.redis.hget(f"rq:job:{self.id}", "status")
-        if raw is None:
-            raise NoSuchJob(self.id)
-        return _STATUS.get(JobStatus(as_text(raw)), "queued")
+        st = _status(self._redis.hget(keys.job_key(self.id), "status"))
+        if st is None:
+            raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
+        return st
 
     def failure_reason(self) -> str:
         """Why a failed job failed (the worker's one-line reason), or ``"canceled"``."""
         if self.status() == "canceled":
             return "canceled"
-        res = self._rq().latest_result()
-        text = (res.exc_string or "") if res is not None else ""
-        return text.strip().splitlines()[-1] if text.strip() else "unknown"
+        return latest_failure(self._redis, self.id)
 
     def stream(self, timeout: float | None = None) -> Iterator[Chunk]:
         """Yield the job's chunks in order, each exactly once, live or replayed.
@@ -217,71 +137,42 @@ class Job:
 
         Yields:
             Chunks with ``.text``, ``.token_ids``; the last has ``.finish_reason``.
+            A ``kind="reset"`` chunk means the job restarted: clear what you showed.
 
         Raises:
             JobFailed: the job failed (``.reason`` says why).
             JobTimeout: ``timeout`` passed first.
         """
-        cur = StreamCursor(self.id, timeout)
-        while not cur.done:
+        follow = Follow(self.id, timeout)
+        failures = 0
+        while follow.next() != DONE:
             try:
-                yield from self._follow(cur)
-            except (redis.ConnectionError, redis.TimeoutError):
+                yield from self._follow(follow)
+                failures = 0
+            except TRANSIENT:
                 # Redis restarted or dropped us: resume from the last seq seen.
-                time.sleep(cur.backoff())
+                failures += 1
+                time.sleep(min(backoff().compute(failures), follow.wait_s()))
 
-    def _follow(self, cur: StreamCursor) -> Iterator[Chunk]:
-        pubsub = self._client.redis.pubsub(ignore_subscribe_messages=True)
+    def _follow(self, follow: Follow) -> Iterator[Chunk]:
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         try:
-            # Subscribe before the first replay read, so nothing falls between the two.
+            # Subscribe before the first log read, so nothing falls between the two.
             pubsub.subscribe(keys.channel(self.id))
-            while not cur.done:
-                yield from cur.accept_all(self.replay(cur.last))
-                if cur.done:
-                    return
-                if self.end_without_final(cur) is not None:
-                    # Ended: read the log once more, then close with whatever it lacks.
-                    yield from cur.accept_all(self.replay(cur.last))
-                    end = None if cur.done else self.end_without_final(cur)
-                    yield from cur.accept_all([end] if end else [])
-                    return
-                while (msg := pubsub.get_message(timeout=cur.wait())) is not None:
-                    c = decode_chunk(msg["data"])
-                    if c.seq > cur.last + 1:
-                        break  # a gap: fill it from the log
-                    yield from cur.accept_all([c])
-                    if cur.done:
-                        return
+            while (action := follow.next()) != DONE:
+                if action == READ_LOG:
+                    yield from follow.on_log(self._redis.xrange(
+                        keys.stream_key(self.id), min=f"0-{follow.after}"))
+                elif action == WAIT:
+                    msg = pubsub.get_message(timeout=follow.wait_s())
+                    yield from follow.on_message(None if msg is None else msg["data"])
+                elif action == STATUS:
+                    yield from follow.on_status(
+                        _status(self._redis.hget(keys.job_key(self.id), "status")))
+                elif action == END:
+                    yield from follow.on_end(*read_end(self._redis, self.id))
         finally:
             pubsub.close()
-
-    def replay(self, after: int) -> list[Chunk]:
-        """The job's logged chunks with ``seq > after``."""
-        return decode_entries(
-            self._client.redis.xrange(keys.stream_key(self.id), min=f"0-{after + 1}"))
-
-    def end_without_final(self, cur: StreamCursor) -> Chunk | None:
-        """The chunk that ends the stream of a job that ended with no last chunk in
-        its log yet: canceled while queued, failed before a worker wrote to it, or
-        finished a moment before its last chunk was written. None while it runs.
-
-        Raises:
-            JobFailed: it failed.
-        """
-        try:
-            st = self.status()
-        except NoSuchJob:
-            raise JobFailed(self.id, "job expired or never existed") from None
-        if st == "failed":
-            raise JobFailed(self.id, self.failure_reason())
-        if st == "canceled":
-            return Chunk(seq=cur.last + 1, finish_reason="canceled")
-        if st == "finished":
-            res = Result.from_value(self._rq().return_value())
-            return Chunk(seq=cur.last + 1, text=res.text[len(cur.text):],
-                         token_ids=res.token_ids[cur.num_tokens:],
-                         finish_reason=res.finish_reason, usage=res.usage)
-        return None
 
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the job to end and return its output.
@@ -294,43 +185,109 @@ class Job:
             JobTimeout: ``timeout`` passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        st = self.status()
-        if st not in TERMINAL:
+        if self.status() not in TERMINAL:
             for _ in self.stream(timeout=timeout):
                 pass
-        # The worker commits the result just after publishing the last chunk.
-        while (st := self.status()) not in TERMINAL:
+        while (st := self.status()) not in TERMINAL:  # a moment, after a synthesized end
             if deadline is not None and time.monotonic() > deadline:
                 raise JobTimeout(f"job {self.id}: no result within {timeout} s")
             time.sleep(0.01)
         if st != "finished":
             raise JobFailed(self.id, self.failure_reason())
-        return Result.from_value(self._rq().return_value())
+        value = latest_value(self._redis, self.id)
+        if value is None:
+            raise JobFailed(self.id, "its result expired")
+        return Result.from_value(value)
 
     def cancel(self) -> bool:
-        """Cancel the job: a queued job never runs; a running one leaves its batch
-        at the next decode step and its stream ends with ``finish_reason="canceled"``.
+        """Cancel the job: a queued job never runs; a running one leaves its batch at the
+        next decode step and its stream ends with ``finish_reason="canceled"``.
 
         Returns:
-            False if the job had already ended, else True.
+            True if the job will end canceled; False if it had already ended.
+
+        Raises:
+            NoSuchJob: the job never existed or its records expired.
         """
-        st = self.status()
-        if st in TERMINAL:
-            return False
-        r, q = self._client.redis, self._client.queue_name
-        if st != "started":
-            try:
-                job = self._rq()
-                job.cancel()
-            except InvalidJobOperation:
-                return False
-            r.expire(job.key, self._client.failure_ttl)  # rq gives canceled jobs no expiry
-        # Running, or dequeued into a worker's buffer meanwhile: tell the workers.
-        with r.pipeline() as p:
-            p.sadd(keys.cancel_set(q), self.id)
-            p.publish(keys.cancel_channel(q), self.id)
-            p.execute()
-        return True
+        verdict = cancel_job(self._redis, self.id)
+        if verdict == "nosuch":
+            raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
+        return verdict in ("canceled", "requested")
+
+
+def _status(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    return _STATUS.get(text, "queued")
+
+
+def cancel_job(connection: redis.Redis, job_id: str) -> str:
+    """Run the cancel script: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
+    dt = datetime.now(timezone.utc)
+    out = scripts.call(connection, "cancel", [],
+                       [job_id, dt.timestamp(), utcformat(dt), keys.DEFAULT_FAILURE_TTL, NOTICE])
+    return out.decode() if isinstance(out, bytes) else str(out)
+
+
+def _latest_result(connection: redis.Redis, job_id: str) -> dict[bytes, bytes] | None:
+    return latest_fields(connection.xrevrange(keys.results_key(job_id), count=1))
+
+
+def latest_fields(entries: Any) -> dict[bytes, bytes] | None:
+    """The fields of the newest entry of an XREVRANGE reply of rq's result log."""
+    return dict(entries[0][1]) if entries else None
+
+
+def value_of(fields: dict[bytes, bytes] | None) -> Any:
+    """The return value in a successful rq result entry, or None."""
+    if not fields or fields.get(b"type") != b"1" or b"return_value" not in fields:
+        return None
+    return MsgpackSerializer.loads(base64.b64decode(fields[b"return_value"]))
+
+
+def reason_of(fields: dict[bytes, bytes] | None) -> str:
+    """The last line of a failed rq result entry's reason, inflated with a size limit."""
+    raw = (fields or {}).get(b"exc_string")
+    if not raw:
+        return "unknown"
+    try:
+        text = zlib.decompressobj().decompress(base64.b64decode(raw), MAX_REASON_BYTES)
+    except (ValueError, zlib.error):
+        return "unknown (its failure record is unreadable)"
+    lines = text.decode("utf-8", "replace").strip().splitlines()
+    return lines[-1] if lines else "unknown"
+
+
+def latest_value(connection: redis.Redis, job_id: str) -> Any:
+    """The return value of the job's latest successful run (rq's result log), or None."""
+    return value_of(_latest_result(connection, job_id))
+
+
+def latest_failure(connection: redis.Redis, job_id: str) -> str:
+    """The last line of the job's latest failure reason, read with a size limit."""
+    return reason_of(_latest_result(connection, job_id))
+
+
+def end_of(raw_status: Any, fields: dict[bytes, bytes] | None) -> tuple[Any, ...]:
+    """What :meth:`Follow.on_end` takes, from the job's status and latest result entry."""
+    st = _status(raw_status)
+    if st == "finished":
+        v = value_of(fields)
+        if isinstance(v, Mapping):
+            return (st, v.get("text"), v.get("token_ids"), v.get("finish_reason"),
+                    v.get("usage"), None)
+    if st == "failed":
+        return st, None, None, None, None, reason_of(fields)
+    return st, None, None, None, None, None
+
+
+def read_end(connection: redis.Redis, job_id: str) -> tuple[Any, ...]:
+    with connection.pipeline(transaction=False) as p:
+        p.hget(keys.job_key(job_id), "status")
+        p.xrevrange(keys.results_key(job_id), count=1)
+        raw, entries = p.execute()
+    return end_of(raw, latest_fields(entries))
 
 
 class Client:
@@ -359,7 +316,7 @@ class Client:
     ) -> None:
         if not isinstance(queue, str) or not queue or len(queue) > 128:
             raise ValueError(f"queue={queue!r}: must be a non-empty string of at most 128 chars")
-        self.redis = connection or redis.Redis.from_url(redis_url)
+        self.redis = connection or connect(redis_url)
         self.queue_name = queue
         self.max_tokens_cap = max_tokens_cap
         self.result_ttl = result_ttl
@@ -435,6 +392,7 @@ class Client:
             Queue.prepare_data(
                 keys.JOB_FUNC,
                 args=(r.to_payload(),),
+                description="mlxq generation",  # rq's default would copy the prompt
                 timeout=-1,  # no SIGALRM inside a batch; mlxq enforces its own deadlines
                 result_ttl=self.result_ttl,
                 failure_ttl=self.failure_ttl,

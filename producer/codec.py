@@ -7,17 +7,34 @@ field by field on decode.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from mlxq.producer import keys
 from mlxq.producer.errors import PayloadError
 
 #: What a chunk is. ``tokens`` carries text; ``error`` ends a failed job;
 #: ``reset`` says a new attempt starts and text from earlier attempts is void.
 CHUNK_KINDS = ("tokens", "error", "reset")
 FINISH_REASONS = ("stop", "length", "canceled", "error")
+#: Each run of a job numbers its chunks from its own base: run ``a`` writes seq
+#: ``(a - 1) * SEQ_PER_ATTEMPT + 1, + 2, ...``, so a re-run never collides with what an
+#: earlier run wrote, and within a run seqs are consecutive (a listener sees gaps).
+SEQ_PER_ATTEMPT = 1 << 20
+#: Largest job data (rq's zlib-compressed envelope) and its decompressed size the worker
+#: reads; anything larger fails by that reason before it is decoded.
+MAX_JOB_DATA_BYTES = 8 << 20
+#: What a pub/sub message on a job's channel is when it is not a chunk: "the job's state
+#: changed, read it" (msgpack nil).
+NOTICE = b"\xc0"
+
+
+def first_seq(attempt: int) -> int:
+    """The seq of the first chunk a job's run number ``attempt`` (1, 2, ...) writes."""
+    return (attempt - 1) * SEQ_PER_ATTEMPT + 1
 
 
 class MsgpackSerializer:
@@ -78,6 +95,17 @@ def decode_entries(entries: Any) -> list[Chunk]:
     return [decode_chunk(fields[b"c"]) for _, fields in entries or ()]
 
 
+def decode_message(data: bytes) -> Chunk | None:
+    """A pub/sub message of a job's channel: its chunk, or None for a :data:`NOTICE`.
+
+    Raises:
+        PayloadError: neither (a rogue message; listeners skip it and read the log).
+    """
+    if data == NOTICE:
+        return None
+    return decode_chunk(data)
+
+
 def decode_chunk(data: bytes) -> Chunk:
     """Decode and check a chunk read from Redis.
 
@@ -112,3 +140,40 @@ def decode_chunk(data: bytes) -> Chunk:
     if error is not None and not isinstance(error, str):
         raise PayloadError(f"chunk.error={error!r}: must be a string")
     return Chunk(seq, text, ids, fin, kind, attempt, usage, error)
+
+
+def encode_job_data(payload: dict[str, Any]) -> bytes:
+    """rq's job envelope for an mlxq payload (what rq stores, before its zlib)."""
+    return MsgpackSerializer.dumps((keys.JOB_FUNC, None, [payload], {}))
+
+
+def decode_job_data(raw: bytes, limit: int = MAX_JOB_DATA_BYTES) -> Any:
+    """The payload map inside an rq job's stored ``data``, read with a size limit.
+
+    rq stores ``zlib(serializer.dumps((func, instance, args, kwargs)))`` (or the bytes
+    uncompressed); a zlib bomb is refused by size before it is inflated.
+
+    Raises:
+        PayloadError: naming what is wrong (size, compression, envelope, function).
+    """
+    if len(raw) > limit:
+        raise PayloadError(f"job data: {len(raw)} bytes, at most {limit}")
+    try:
+        inflater = zlib.decompressobj()
+        data = inflater.decompress(raw, limit)
+        if inflater.unconsumed_tail:
+            raise PayloadError(f"job data: inflates past {limit} bytes")
+    except zlib.error:
+        data = raw  # rq's own fallback: data stored uncompressed
+    try:
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise PayloadError(f"job data: not mlxq msgpack ({type(e).__name__})") from None
+    if not isinstance(envelope, list) or len(envelope) != 4:
+        raise PayloadError("job data: not an rq job envelope (func, instance, args, kwargs)")
+    func, _, args, kwargs = envelope
+    if func != keys.JOB_FUNC:
+        raise PayloadError(f"func={func!r}: not an mlxq job (want {keys.JOB_FUNC!r})")
+    if kwargs or not isinstance(args, list) or len(args) != 1:
+        raise PayloadError("job args: want exactly one payload map")
+    return args[0]

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxq.batching.admission import AdmissionPolicy, Pending, Window, admit
+from mlxq.batching.admission import AdmissionPolicy, Pending, admit
+from mlxq.batching.window import Window
 
 GREEDY = (0.0, 1.0, 0, 0.0)
 WARM = (0.7, 0.9, 0, 0.0)

@@ -9,6 +9,7 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlxq.worker.engine import Engine  # noqa: E402
+from mlxq.worker.jobs import Job  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +26,28 @@ def _req(prompt: str, n: int, **sp) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, max_tokens=n, sampling=SamplingParams(**sp))
 
 
+def _job(engine: Engine, name: str, req: GenerationRequest) -> Job:
+    job = Job(name, req, engine.encode(req))
+    job.start("exec", engine.new_detokenizer())
+    return job
+
+
 def _run(engine: Engine, jobs: dict[str, GenerationRequest], *, remove_after=None,
          add_later=None) -> dict[str, list[int]]:
     """Run jobs to the end; optionally remove some after N steps and add others then."""
-    out: dict[str, list[int]] = {j: [] for j in jobs}
-    for j, req in jobs.items():
-        engine.add(j, req, engine.encode(req))
+    records = {j: _job(engine, j, req) for j, req in jobs.items()}
+    engine.add(list(records.values()))
     steps = 0
     while engine.active:
-        for ev in engine.step():
-            out[ev.job_id].extend(ev.token_ids)
+        engine.step()
         steps += 1
         if remove_after and steps == remove_after[0]:
-            engine.remove(remove_after[1])
+            engine.remove([records[j] for j in remove_after[1]])
         if add_later and steps == add_later[0]:
-            for j, req in add_later[1].items():
-                out[j] = []
-                engine.add(j, req, engine.encode(req))
-    return out
+            later = {j: _job(engine, j, req) for j, req in add_later[1].items()}
+            records.update(later)
+            engine.add(list(later.values()))
+    return {j: r.token_ids for j, r in records.items()}
 
 
 def _solo(loaded, name: str, req: GenerationRequest) -> list[int]:
@@ -80,13 +85,13 @@ def test_multibyte_text_is_never_split(loaded):
     _, tok = loaded
     engine = _engine(loaded)
     text = "naïve café 日本語です 😀 ok"
-    req = _req("x", 64)
-    engine.add("mb", req, engine.encode(req))
+    job = _job(engine, "mb", _req("x", 64))
+    engine.add([job])
     (uid,) = list(engine._rows)
     pieces = []
     for t in tok.encode(text, add_special_tokens=False):
-        ev = engine._on_token(uid, t, None)
-        pieces.append(ev.text)
+        engine._on_token(uid, job, t, None)
+        pieces.append(job.chunk_due(0.0, 0.0).text if job.has_output else "")
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
 
@@ -94,17 +99,14 @@ def test_multibyte_text_is_never_split(loaded):
 def test_stop_strings_end_the_row_and_are_not_emitted(loaded):
     _, tok = loaded
     engine = _engine(loaded)
-    req = GenerationRequest(prompt="x", max_tokens=64, stop=("STOP",))
-    engine.add("s", req, engine.encode(req))
+    job = _job(engine, "s", GenerationRequest(prompt="x", max_tokens=64, stop=("STOP",)))
+    engine.add([job])
     (uid,) = list(engine._rows)
-    texts, fin = [], None
     for t in tok.encode("one two STOP three", add_special_tokens=False):
-        ev = engine._on_token(uid, t, None)
-        texts.append(ev.text)
-        if ev.finish_reason:
-            fin = ev.finish_reason
+        engine._on_token(uid, job, t, None)
+        if job.finish_reason:
             break
-    assert fin == "stop" and "".join(texts) == "one two "
+    assert job.finish_reason == "stop" and "".join(job.text) == "one two "
     assert engine.active == 0
 
 

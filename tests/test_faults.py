@@ -198,7 +198,8 @@ POISON_LAUNCHER = """
 import sys
 from mlx_lm import load
 from mlxq.worker.engine import Engine
-from mlxq.worker.worker import Worker, WorkerConfig
+from mlxq.worker.config import WorkerConfig
+from mlxq.worker.loop import Worker
 
 model_path, url, queue = sys.argv[1:4]
 model, tok = load(model_path)[:2]

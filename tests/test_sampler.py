@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlxq.batching.sampler import RowParams, make_shared_sampler, sample
+from mlxq.batching.sampler import RowParams, sample
 from mlxq.producer.params import SamplingParams as SP
 
 MIXED = [
@@ -158,14 +158,6 @@ def test_seeded_draws_follow_the_distribution() -> None:
     x = mx.array(np.tile(base[:1], (4000, 1)))
     tokens = np.array(sample(x, RowParams.from_params(params), mx.full((4000,), 9)))
     assert_fits(np.bincount(tokens, minlength=64), reference(base[0], params[0]))
-
-
-def test_shared_sampler_matches_mlx_lm() -> None:
-    mx.random.seed(2)
-    p = SP(temperature=0.7, top_p=0.8, min_p=0.05)
-    base = _logprobs(1, 256, 2.0, seed=4)
-    tokens = np.array(make_shared_sampler(p)(mx.array(np.tile(base, (4000, 1)))))
-    assert_fits(np.bincount(tokens, minlength=256), reference(base[0], p))
 
 
 def test_rejects_empty_batch_and_wrong_shape() -> None:

@@ -1,31 +1,43 @@
-"""Cancel requests for running jobs, heard as they are made.
+"""Cancel requests for jobs this worker holds, heard as they are made.
 
-Producers SADD the job id to the queue's cancel set (durable) and PUBLISH it
-(prompt). This thread listens, reconnecting after Redis drops it, and re-reads
-the set on every (re)connect so a request made while it was away is not lost.
+A producer's cancel sets a durable flag on the job and publishes its id on the channel of
+the worker holding it (``mlxq:cancel:<worker>``). This thread passes on the ids of jobs
+the worker holds; anything else (ids it does not hold, bytes that are no id) costs the
+decode loop nothing. A message missed while reconnecting is caught by the heartbeat's
+periodic look at the flags.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
-
-import redis
-from rq.utils import as_text
+from collections.abc import Callable
+from typing import Any
 
 from mlxq.producer import keys
+from mlxq.producer.connection import TRANSIENT, Outage, backoff
+from mlxq.worker.bridge import Bridge
 
 log = logging.getLogger("mlxq.worker")
 
 
 class CancelListener:
-    """Collects cancel requests for one queue; :meth:`take` hands them over."""
+    """Listens on this worker's cancel channel.
 
-    def __init__(self, connection: redis.Redis, queue: str) -> None:
-        self.redis, self.queue = connection, queue
-        self._ids: set[str] = set()
-        self._lock = threading.Lock()
+    Args:
+        bridge: The worker's Redis.
+        inbox: The decode loop's inbox: ``("cancel", [job id])``.
+        holds: Whether the worker holds a job id.
+    """
+
+    def __init__(self, bridge: Bridge, inbox: queue.SimpleQueue[tuple[str, Any]],
+                 holds: Callable[[str], bool]) -> None:
+        self.bridge, self.inbox, self.holds = bridge, inbox, holds
+        self.ignored = 0
         self._stop = threading.Event()
+        self._outage = Outage(log, "cancel listener")
         self._thread = threading.Thread(target=self._run, name="mlxq-cancels", daemon=True)
 
     def start(self) -> None:
@@ -35,34 +47,35 @@ class CancelListener:
         self._stop.set()
         self._thread.join(2)
 
-    def take(self) -> set[str]:
-        with self._lock:
-            ids, self._ids = self._ids, set()
-        return ids
-
-    def done(self, job_id: str) -> None:
-        """The request was honoured (or the job is not ours to cancel): forget it."""
-        self.redis.srem(keys.cancel_set(self.queue), job_id)
-
-    def _add(self, ids: set[str]) -> None:
-        with self._lock:
-            self._ids |= ids
-
     def _run(self) -> None:
-        delay = 0.05
+        failures = 0
         while not self._stop.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.bridge.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(keys.cancel_channel(self.queue))
-                self._add({as_text(i) for i in self.redis.smembers(keys.cancel_set(self.queue))})
-                delay = 0.05
+                pubsub.subscribe(keys.cancel_channel(self.bridge.name))
+                self._outage.ok()
+                failures = 0
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=0.2)
                     if msg is not None:
-                        self._add({as_text(msg["data"])})
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("cancel listener: redis unavailable (%s)", e)
-                self._stop.wait(delay)
-                delay = min(delay * 2, 2.0)
+                        self._on(msg.get("data"))
+            except TRANSIENT as e:
+                self._outage.failed(e)
+                failures += 1
+                self._stop.wait(backoff().compute(failures))
+            except Exception:  # this thread must outlive whatever one message holds
+                log.exception("cancel listener: going on after an unexpected error")
+                self._stop.wait(0.2)
             finally:
-                pubsub.close()
+                with contextlib.suppress(Exception):  # a broken connection: nothing to close
+                    pubsub.close()
+
+    def _on(self, data: Any) -> None:
+        try:
+            job_id = data.decode("utf-8") if isinstance(data, bytes) else None
+        except UnicodeDecodeError:
+            job_id = None
+        if job_id is None or len(job_id) > 200 or not self.holds(job_id):
+            self.ignored += 1
+            return
+        self.inbox.put(("cancel", [job_id]))

@@ -1,72 +1,30 @@
-"""The MLX side: mlx-lm's BatchGenerator, with every decode step sampled in one call.
+"""The MLX side: mlx-lm's BatchGenerator, every decode step sampled in one call.
 
-mlx-lm samples a step with one call only when every row holds the same sampler
-object; rows with their own samplers send the step down a per-row loop. mlxq
-gives every row the same object, a :class:`RowSampler`, and tells it which
-rows (by uid, in batch order) the next call samples. Two places in mlx-lm sample:
-``GenerationBatch._step`` (every decode step) and ``PromptProcessingBatch.generate``
-(the first token after prefill); the two small subclasses below bind the rows
-there and nowhere else. Pinned to mlx-lm 0.32.2, whose ``filter`` re-indexes every
-per-row list; ``tests/test_engine.py`` pins the alignment.
+mlx-lm samples a step with one call only when every row holds the same sampler object;
+rows with their own samplers send the step down a per-row loop. mlxq gives every row one
+:class:`~mlxq.batching.sampler.RowSampler` and binds it to the rows of the next call in
+the two places mlx-lm samples: ``GenerationBatch._step`` (every decode step) and
+``PromptProcessingBatch.generate`` (the first token after prefill). Pinned to mlx-lm
+0.32.2, whose ``filter`` re-indexes every per-row list; ``tests/test_engine.py`` pins the
+alignment.
+
+The engine works on :class:`~mlxq.worker.jobs.Job` records: it detokenizes each row's
+tokens, cuts at stop strings, and hands each job its output; it keeps no record of its own
+beyond the uid of each job's row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
-from mlxq.batching.sampler import RowParams, sample
-from mlxq.batching.stops import StopMatcher
+from mlxq.batching.sampler import RowSampler
 from mlxq.producer.errors import PayloadError
-from mlxq.producer.params import GenerationRequest, SamplingParams
-
-
-class RowSampler:
-    """One sampler object for the whole batch that knows each row's own params.
-
-    ``bind(uids)`` names the rows of the next call; ``__call__`` samples them all
-    at once. Per-row arrays are rebuilt only when the rows change.
-    """
-
-    def __init__(self) -> None:
-        self._params: dict[int, SamplingParams] = {}
-        self._done: dict[int, int] = {}  # tokens sampled per uid before the current binding
-        self._uids: list[int] = []
-        self._rows: RowParams | None = None
-        self._positions: Any = None
-        self._calls_bound = 0
-        self.calls = 0
-
-    def add(self, uid: int, params: SamplingParams) -> None:
-        self._params[uid] = params
-        self._done[uid] = 0
-
-    def drop(self, uid: int) -> None:
-        self._params.pop(uid, None)
-        self._done.pop(uid, None)
-
-    def bind(self, uids: Sequence[int]) -> None:
-        if uids == self._uids:  # the common case, every decode step: no copy
-            return
-        for u in self._uids:  # fold the calls since the last binding into each row's count
-            if u in self._done:
-                self._done[u] += self._calls_bound
-        self._uids = list(uids)
-        self._calls_bound = 0
-        self._rows = RowParams.from_params([self._params[u] for u in self._uids])
-        self._positions = mx.array([self._done[u] for u in self._uids], dtype=mx.uint32)
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        if self._rows is None or logprobs.shape[0] != len(self._uids):
-            raise RuntimeError(f"sampler bound to {len(self._uids)} rows, got {logprobs.shape[0]}")
-        self.calls += 1
-        tokens: mx.array = sample(logprobs, self._rows, self._positions + self._calls_bound)
-        self._calls_bound += 1
-        return tokens
+from mlxq.producer.params import GenerationRequest
+from mlxq.worker.jobs import Job
 
 
 @dataclass
@@ -114,29 +72,8 @@ class _Generator(BatchGenerator):  # type: ignore[misc]
         self._generation_batch = _BoundGenerationBatch.empty(self.model, self.sampler)
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """What one step made for one job: text to stream, and the end when it ended."""
-
-    job_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    usage: dict[str, int] | None = None
-
-
-@dataclass(slots=True)
-class _Row:
-    job_id: str
-    detok: Any
-    stops: StopMatcher
-    prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    generated: int = 0
-
-
 class Engine:
-    """A model, its tokenizer and one continuous batch.
+    """A model, its tokenizer and one continuous batch of jobs.
 
     Args:
         model: An mlx-lm model (``mlx_lm.load(path)[0]``).
@@ -157,7 +94,7 @@ class Engine:
                         prefill_step_size=prefill_step_size, max_kv_size=max_kv_size,
                         stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)])
         self._eos = frozenset(tokenizer.eos_token_ids)
-        self._rows: dict[int, _Row] = {}
+        self._rows: dict[int, Job] = {}
         self._uid_of: dict[str, int] = {}
         self.reset()
 
@@ -185,8 +122,13 @@ class Engine:
     def free_slots(self) -> int:
         return self.max_batch - len(self._rows)
 
+    def holds(self, job_id: str) -> bool:
+        return job_id in self._uid_of
+
     def encode(self, req: GenerationRequest) -> list[int]:
         """Tokenize a request's prompt (or render its chat through the template).
+
+        Thread-safe: the worker tokenizes ahead of need, off the decode thread.
 
         Raises:
             PayloadError: the prompt is empty once tokenized, or with ``max_tokens``
@@ -206,67 +148,70 @@ class Engine:
                                f"the model's context of {self.max_context}")
         return list(ids)
 
-    def add(self, job_id: str, req: GenerationRequest, prompt_ids: list[int]) -> None:
-        """Queue a job's prompt for the next prefill; it decodes from then on."""
-        (uid,) = self._gen.insert([prompt_ids], max_tokens=[req.max_tokens])
-        self.sampler.add(uid, req.sampling)
-        self._rows[uid] = _Row(job_id, self.tokenizer.detokenizer, StopMatcher(req.stop),
-                               len(prompt_ids))
-        self._uid_of[job_id] = uid
-        self.counters.prompt_tokens += len(prompt_ids)
+    def new_detokenizer(self) -> Any:
+        return self.tokenizer.detokenizer
 
-    def remove(self, job_ids: Sequence[str]) -> list[str]:
-        """Take jobs out of the batch now (cancel, deadline); returns those it held."""
-        held = [j for j in job_ids if j in self._uid_of]
-        uids = [self._uid_of[j] for j in held]
+    def add(self, jobs: Sequence[Job]) -> None:
+        """Queue jobs' prompts for the next prefill, all in one insert; they decode from
+        then on."""
+        if not jobs:
+            return
+        uids = self._gen.insert([j.prompt_ids for j in jobs],
+                                max_tokens=[j.request.max_tokens for j in jobs])
+        for uid, job in zip(uids, jobs, strict=True):
+            self.sampler.add(uid, job.request.sampling)
+            self._rows[uid] = job
+            self._uid_of[job.id] = uid
+            self.counters.prompt_tokens += len(job.prompt_ids)
+
+    def remove(self, jobs: Iterable[Job]) -> None:
+        """Take jobs out of the batch now (cancel, deadline, failure)."""
+        uids = [self._uid_of[j.id] for j in jobs if j.id in self._uid_of]
         if uids:
             self._gen.remove(uids)
         for u in uids:
             self._forget(u)
-        return held
 
-    def step(self) -> list[Event]:
-        """Run one scheduling step (decode, then admit prefill work); one event per row
-        that made a token."""
+    def step(self) -> list[Job]:
+        """Run one scheduling step (decode, then admit prefill work). Returns the jobs that
+        made output; those that ended have ``finish_reason`` set and left the batch."""
         _, responses = self._gen.next()
-        events = []
+        touched = []
         for r in responses:
-            ev = self._on_token(r.uid, r.token, r.finish_reason)
-            if ev is not None:
-                events.append(ev)
+            job = self._rows.get(r.uid)
+            if job is not None:
+                self._on_token(r.uid, job, r.token, r.finish_reason)
+                touched.append(job)
         self.counters.tokens_generated += len(responses)
-        return events
+        return touched
 
-    def _on_token(self, uid: int, token: int, finish: str | None) -> Event | None:
-        row = self._rows.get(uid)
-        if row is None:
-            return None
-        row.generated += 1
-        text = ""
-        if not (finish == "stop" and token in self._eos):
-            row.detok.add_token(token)
-            row.token_ids.append(token)
-            new_ids = [token]
+    def _on_token(self, uid: int, job: Job, token: int, finish: str | None) -> None:
+        job.generated += 1
+        detok = job.detok
+        if finish == "stop" and token in self._eos:
+            ids = []
         else:
-            new_ids = []
+            detok.add_token(token)
+            ids = [token]
         if finish is not None:
-            row.detok.finalize()
-        text, stopped = row.stops.feed(row.detok.last_segment)
+            detok.finalize()
+        stops = job.stops
+        assert stops is not None  # set when the job took its row
+        text, stopped = stops.feed(detok.last_segment)
         if stopped and finish is None:
             self._gen.remove([uid])
             finish = "stop"
         elif finish is not None:
-            text += row.stops.flush()
-        if finish is None:
-            return Event(row.job_id, text, new_ids)
-        usage = {"prompt_tokens": row.prompt_tokens, "completion_tokens": row.generated}
-        self._forget(uid)
-        return Event(row.job_id, text, new_ids, finish, usage)
+            text += stops.flush()
+        job.emit(text, ids)
+        if finish is not None:
+            job.finish_reason = finish
+            self._forget(uid)
 
     def _forget(self, uid: int) -> None:
-        row = self._rows.pop(uid, None)
-        if row is not None:
-            self._uid_of.pop(row.job_id, None)
+        job = self._rows.pop(uid, None)
+        if job is not None:
+            self._uid_of.pop(job.id, None)
         self.sampler.drop(uid)
 
 

@@ -1,44 +1,47 @@
-"""Heartbeats and the reaper: a dead worker's jobs run again within seconds.
+"""Heartbeat, lease and reaper: a dead worker's jobs run again within seconds.
 
-A thread of its own, so a long MLX step never delays a heartbeat: every
-``BEAT_S`` it refreshes ``mlxq:alive:<name>`` (expiring after ``DEAD_AFTER_S``)
-and looks over the queue's roll of workers. A worker whose key expired, or whose
-process is gone from this host, is dead: one live worker takes its reap lock and
-requeues everything in its WIP list (at the queue's front, in order). So after
-a ``kill -9`` the jobs run again within ``DEAD_AFTER_S`` (5 s) on another worker,
-or at once when a worker restarts on the same host -- far under rq's own
-abandoned-job timeouts (420 s and more).
+A thread of its own, so a long MLX step never delays a heartbeat. Every ``BEAT_S`` it
+keeps this worker's lease (``mlxq:alive:<name>``, expiring after ``LEASE_MS``), learns
+when it lost it (another worker declared it dead: the decode loop must drop everything),
+and reaps the other workers on the queue's roll whose lease expired or whose process is
+gone from this host: their jobs go back to the queue's front, in order, within ~5 s of a
+``kill -9`` (at once when the dead worker's host restarts a worker), far under rq's own
+abandoned-job timeouts. It also publishes the worker's stats for ``mlxq info``, keeps rq's
+records of long jobs fresh, and checks held jobs for cancel requests a message missed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-import redis
-from rq import Queue
-from rq.utils import as_text
+from rq.registry import clean_registries
 
-from mlxq.producer import keys
-from mlxq.worker.rqbridge import requeue_orphans
+from mlxq.producer.connection import TRANSIENT, Outage
+from mlxq.worker.bridge import Bridge
 
 log = logging.getLogger("mlxq.worker")
 
 BEAT_S = 1.0
-DEAD_AFTER_S = 5.0
+STATS_S = 1.0
+CANCEL_CHECK_S = 2.0
+REFRESH_S = 60.0
+RQ_HEARTBEAT_S = 15.0
 #: How often rq's registries are swept of expired entries.
 SWEEP_S = 60.0
-#: How long one reaper may hold a dead worker's lock before another may try.
-REAP_LOCK_S = 60
 
 
-def _process_gone(value: str) -> bool:
-    """True when ``host:pid`` names a process of this host that no longer exists."""
-    host, _, pid = value.rpartition(":")
+def process_gone(value: str) -> bool:
+    """True when a lease value ``host:pid:nonce`` names a process of this host that no
+    longer exists."""
+    host, _, rest = value.partition(":")
+    pid = rest.partition(":")[0]
     if host != socket.gethostname() or not pid.isdigit():
         return False
     try:
@@ -51,83 +54,103 @@ def _process_gone(value: str) -> bool:
 
 
 class Liveness:
-    """Heartbeat + reaper thread for one worker.
+    """The heartbeat thread of one worker.
 
     Args:
-        connection: Redis connection.
-        queue: The rq queue served.
-        name: This worker's name.
-        on_reaped: Called (from this thread) if another worker declared this one
-            dead, e.g. after a network partition longer than ``DEAD_AFTER_S``:
-            its jobs were requeued, so it must drop them.
+        bridge: The worker's Redis.
+        inbox: The decode loop's inbox: ``("reaped", None)`` and ``("cancel", ids)``.
+        stats: Returns ``(state, stats map)`` for ``mlxq info``.
+        held: Returns ``(held job ids, (id, execution id) of running jobs)``.
     """
 
-    def __init__(self, connection: redis.Redis, queue: Queue, name: str,
-                 on_reaped: Callable[[], None], sweep: Callable[[], None]) -> None:
-        self.redis, self.queue, self.name, self.on_reaped = connection, queue, name, on_reaped
-        self.value = f"{socket.gethostname()}:{os.getpid()}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlxq-liveness", daemon=True)
+    def __init__(self, bridge: Bridge, inbox: queue.SimpleQueue[tuple[str, Any]],
+                 stats: Callable[[], tuple[str, dict[str, Any]]],
+                 held: Callable[[], tuple[list[str], list[tuple[str, str]]]]) -> None:
+        self.bridge, self.inbox, self.stats, self.held = bridge, inbox, stats, held
         self.reaped_jobs = 0
-        self.sweep = sweep
-        self._next_sweep = 0.0
+        self._stop = threading.Event()
+        self._poke = threading.Event()
+        self._reported_epoch = -1
+        self._next: dict[str, float] = {}
+        self._outage = Outage(log, "heartbeat")
+        self._thread = threading.Thread(target=self._run, name="mlxq-liveness", daemon=True)
 
     def start(self) -> None:
-        self.beat()
-        self.redis.sadd(keys.workers_key(self.queue.name), self.name)
         self._thread.start()
 
-    def stop(self, leave: bool = True) -> None:
-        """Stop beating. ``leave``: also leave the roll (the worker holds no job);
-        otherwise stay on it, dead, for a live worker to requeue what it held."""
+    def stop(self) -> None:
         self._stop.set()
+        self._poke.set()
         self._thread.join(5)
-        with self.redis.pipeline() as p:
-            if leave:
-                p.srem(keys.workers_key(self.queue.name), self.name)
-            p.delete(keys.alive_key(self.name))
-            p.execute()
 
-    def beat(self) -> None:
-        self.redis.set(keys.alive_key(self.name), self.value, px=int(DEAD_AFTER_S * 1000))
+    def poke(self) -> None:
+        """Beat now (a write was refused for the lease)."""
+        self._poke.set()
+
+    def _due(self, what: str, every: float) -> bool:
+        now = time.monotonic()
+        if now < self._next.get(what, 0.0):
+            return False
+        self._next[what] = now + every
+        return True
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.beat()
-                if not self.redis.sismember(keys.workers_key(self.queue.name), self.name):
-                    log.error("worker %s was declared dead and its jobs requeued", self.name)
-                    self.on_reaped()
-                    self.redis.sadd(keys.workers_key(self.queue.name), self.name)
-                self.reap()
-                if time.monotonic() >= self._next_sweep:
-                    self._next_sweep = time.monotonic() + SWEEP_S
-                    self.sweep()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("heartbeat: redis unavailable (%s)", e)
-            except Exception:
-                log.exception("heartbeat failed")
-            self._stop.wait(BEAT_S)
+            for step in (self._beat, self._reap, self._publish, self._check_cancels,
+                         self._refresh, self._sweep):
+                try:
+                    step()
+                    self._outage.ok()
+                except TRANSIENT as e:
+                    self._outage.failed(e)
+                    break
+                except Exception:  # this thread must outlive whatever one step hits
+                    log.exception("heartbeat: %s failed; going on", step.__name__)
+            self._poke.wait(BEAT_S)
+            self._poke.clear()
 
-    def reap(self) -> list[str]:
-        """Requeue the jobs of every dead worker on this queue's roll."""
-        requeued = []
-        roll = self.redis.smembers(keys.workers_key(self.queue.name))
-        for other in sorted(as_text(n) for n in roll):
-            if other == self.name:
+    def _beat(self) -> None:
+        verdict = self.bridge.beat()
+        if verdict == "reaped" and self._reported_epoch != self.bridge.epoch:
+            log.error("worker %s was declared dead and its jobs requeued: dropping everything "
+                      "it held", self.bridge.name)
+            self._reported_epoch = self.bridge.epoch
+            self.inbox.put(("reaped", self.bridge.epoch))
+        elif verdict == "renewed" and self._next:
+            log.warning("worker %s: lease had lapsed (a long stall?); nobody took its jobs",
+                        self.bridge.name)
+
+    def _reap(self) -> None:
+        for other, value in self.bridge.roll():
+            if other == self.bridge.name or (value is not None and not process_gone(value)):
                 continue
-            value = self.redis.get(keys.alive_key(other))
-            if value is not None and not _process_gone(as_text(value)):
+            ids = self.bridge.reap(other, value)
+            if ids is None:
                 continue
-            if not self.redis.set(keys.reap_lock(other), self.name, nx=True, ex=REAP_LOCK_S):
-                continue
-            ids = requeue_orphans(self.redis, self.queue, other)
-            with self.redis.pipeline() as p:
-                p.srem(keys.workers_key(self.queue.name), other)
-                p.delete(keys.alive_key(other), keys.reap_lock(other))
-                p.execute()
+            self.reaped_jobs += len(ids)
             if ids:
                 log.warning("worker %s is dead: requeued its %d job(s)", other, len(ids))
-            self.reaped_jobs += len(ids)
-            requeued += ids
-        return requeued
+
+    def _publish(self) -> None:
+        if self._due("stats", STATS_S):
+            state, stats = self.stats()
+            stats["jobs_requeued_from_dead_workers"] = self.reaped_jobs
+            self.bridge.write_stats(state, stats)
+            self.bridge.set_state("busy" if state == "busy" else "idle")
+
+    def _check_cancels(self) -> None:
+        if self._due("cancels", CANCEL_CHECK_S):
+            held, _ = self.held()
+            if held and (flagged := self.bridge.cancel_flags(held)):
+                self.inbox.put(("cancel", flagged))
+
+    def _refresh(self) -> None:
+        if self._due("rq", RQ_HEARTBEAT_S):
+            self.bridge.rq_heartbeat()
+        if self._due("refresh", REFRESH_S):
+            _, running = self.held()
+            self.bridge.refresh(running)
+
+    def _sweep(self) -> None:
+        if self._due("sweep", SWEEP_S):
+            clean_registries(self.bridge.rq_queue)

@@ -1,11 +1,11 @@
-"""Everything the worker writes after a decode step, off the decode thread.
+"""The ordered writer: everything the decode loop decides goes to Redis from this thread.
 
-The decode loop hands each step's chunks and job endings to :class:`Sink`; one
-thread writes them in order. Chunks of every row made since the last write go
-in ONE pipelined round trip (XADD to the replay log + PUBLISH for liveness), so
-Redis latency never stalls the model and the cost per step does not grow with
-the batch. A job's end is committed to rq only after its last chunk is written,
-so a listener that sees the last chunk finds the result.
+The decode thread never waits on Redis. It hands over starts, chunks, ends, failures and
+hand-backs; this thread writes whatever queued up since its last write in one round trip
+(:class:`~mlxq.worker.bridge.Flush`), in order. A start closes a flush: its reply (the job
+may have been canceled or taken meanwhile) is known before anything later of that job is
+written. During an outage or under Redis OOM it retries the same flush, in order, until
+it lands; running rows keep decoding meanwhile. Replies go back through ``inbox``.
 """
 
 from __future__ import annotations
@@ -13,121 +13,182 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
-from mlxq.producer import keys
-from mlxq.producer.codec import Chunk, encode_chunk
+from mlxq.producer.codec import Chunk
+from mlxq.producer.connection import TRANSIENT, Outage, retry_forever
+from mlxq.worker.bridge import Bridge, End, Flush, FlushReply, LeaseLost
 
 log = logging.getLogger("mlxq.worker")
 
-#: Replay logs outlive their job by this much; a late listener can still replay.
-DEFAULT_STREAM_TTL = 3600
-#: Most chunks one replay log keeps (a runaway job cannot fill Redis).
-STREAM_MAXLEN = 100_000
+#: Jobs whose start was refused, remembered so their later writes are dropped.
+VOID_MEMORY = 10_000
+
+
+class _Stop(Exception):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
-class Out:
-    """One chunk for one job's stream."""
-
-    job_id: str
-    chunk: Chunk
+class _Op:
+    epoch: int
+    kind: str  # chunks | end | fail | release | start
+    job_ids: tuple[str, ...]
+    payload: Any
 
 
 class Sink:
-    """A writer thread: ``put`` chunks and endings in order, ``close`` to drain.
+    """Writer thread for one worker.
 
     Args:
-        connection: Redis connection (thread-safe pool).
-        stream_ttl: Seconds a job's replay log lives after its last write.
+        bridge: The worker's Redis.
+        inbox: Where replies go, as ``(kind, value)``: ``("started", {id: verdict})``,
+            ``("ended", {id: outcome})``, ``("settled", {id: outcome})`` (failed before
+            start, or handed back), ``("write_failed", (id, why))``.
+        on_lease_lost: Called when a write was refused for the lease (ask for a beat now).
     """
 
-    def __init__(self, connection: redis.Redis, *, stream_ttl: int = DEFAULT_STREAM_TTL) -> None:
-        self.redis = connection
-        self.stream_ttl = stream_ttl
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._actions_pending = 0
-        self._thread = threading.Thread(target=self._run, name="mlxq-sink", daemon=True)
+    def __init__(self, bridge: Bridge, inbox: queue.SimpleQueue[tuple[str, Any]],
+                 on_lease_lost: Callable[[], None]) -> None:
+        self.bridge, self.inbox, self.on_lease_lost = bridge, inbox, on_lease_lost
+        self._q: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._void: OrderedDict[str, None] = OrderedDict()
+        self._abort = threading.Event()
+        self._outage = Outage(log, "writer")
+        # After an outage every log's TTL is set again with its next chunk: a Redis that
+        # restarted without its data recreates logs with their first write after it.
+        self._refresh_all = False
+        self._thread = threading.Thread(target=self._run, name="mlxq-writer", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
-    def put(self, outs: list[Out]) -> None:
-        if outs:
-            self._q.put(outs)
+    # -- called by the decode loop (and the prefetcher, for jobs that never started) ----
 
-    def then(self, action: Callable[[], None]) -> None:
-        """Run ``action`` on the writer thread once everything put before it is written."""
-        with self._lock:
-            self._actions_pending += 1
-        self._q.put(action)
+    def starts(self, entries: list[tuple[str, int, str]]) -> None:
+        if entries:
+            self._put("start", tuple(e[0] for e in entries), entries)
 
-    @property
-    def actions_pending(self) -> int:
-        """Actions handed over and not yet run (job ends not yet committed to rq)."""
-        return self._actions_pending
+    def chunks(self, entries: list[tuple[str, Chunk, bool]]) -> None:
+        if entries:
+            self._put("chunks", tuple(e[0] for e in entries), entries)
 
-    def close(self, timeout: float = 30.0) -> None:
+    def end(self, end: End) -> None:
+        self._put("end", (end.job_id,), end)
+
+    def fail(self, job_id: str, attempts: int, reason: str) -> None:
+        self._put("fail", (job_id,), (job_id, attempts, reason))
+
+    def release(self, mode: str, job_ids: list[str | bytes]) -> None:
+        """Hand jobs back (``requeue``, ``clean``) or drop WIP entries (``drop``; ids may
+        be raw bytes that are no text)."""
+        if job_ids:
+            self._put("release", tuple(str(j) for j in job_ids), (mode, job_ids))
+
+    def _put(self, kind: str, job_ids: tuple[str, ...], payload: Any) -> None:
+        self._q.put(_Op(self.bridge.epoch, kind, job_ids, payload))
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Write what is queued, then stop. Returns False if Redis would not take it
+        within ``timeout`` (what is left is this worker's WIP list: a reaper's job)."""
         self._q.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abort.set()
+            self._thread.join(5)
+            return False
+        return True
+
+    # -- the thread --------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            items = [self._q.get()]
-            while True:  # coalesce whatever queued up while the last write ran
+            ops = [self._q.get()]
+            while True:  # everything that queued up while the last write ran
                 try:
-                    items.append(self._q.get_nowait())
+                    ops.append(self._q.get_nowait())
                 except queue.Empty:
                     break
-            batch: list[Out] = []
-            for item in items:
-                if item is None:
-                    self._write(batch)
-                    return
-                if callable(item):
-                    self._write(batch)
-                    batch = []
-                    self._retry(item)
-                    with self._lock:
-                        self._actions_pending -= 1
-                else:
-                    batch.extend(item)
-            self._write(batch)
-
-    def _write(self, batch: list[Out]) -> None:
-        if batch:
-            self._retry(lambda: self._write_once(batch))
-
-    def _write_once(self, batch: list[Out]) -> None:
-        with self.redis.pipeline(transaction=False) as p:
-            for o in batch:
-                data = encode_chunk(o.chunk)
-                stream = keys.stream_key(o.job_id)
-                p.xadd(stream, {"c": data}, id=f"0-{o.chunk.seq}",
-                       maxlen=STREAM_MAXLEN, approximate=True)
-                p.publish(keys.channel(o.job_id), data)
-                if o.chunk.seq == 1 or o.chunk.final or o.chunk.kind == "reset":
-                    p.expire(stream, self.stream_ttl)
-            for res in p.execute(raise_on_error=False):
-                # A chunk already in the log (a retried write) is refused; that is fine.
-                if isinstance(res, redis.ResponseError) and "equal or smaller" not in str(res):
-                    log.warning("stream write refused: %s", res)
-
-    def _retry(self, fn: Callable[[], None]) -> None:
-        delay = 0.05
-        while True:
+            stop = None in ops
             try:
-                fn()
+                for batch in self._split([op for op in ops if op is not None]):
+                    self._commit(batch)
+            except _Stop:
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                # Redis is restarting or unreachable: keep order, wait, try again.
-                log.warning("redis unavailable (%s); retrying in %.2fs", e, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except Exception:
-                log.exception("sink write failed")
+            except Exception:  # a bug, not Redis: say so, drop this batch, keep writing
+                log.exception("writer: a write failed and was dropped")
+            if stop:
                 return
+
+    @staticmethod
+    def _split(ops: list[_Op]) -> list[list[_Op]]:
+        """Consecutive ops of one epoch, each batch ending at a start."""
+        batches: list[list[_Op]] = [[]]
+        for op in ops:
+            if batches[-1] and batches[-1][-1].epoch != op.epoch:
+                batches.append([])
+            batches[-1].append(op)
+            if op.kind == "start":
+                batches.append([])
+        return [b for b in batches if b]
+
+    def _flush_of(self, ops: list[_Op]) -> Flush:
+        f = Flush()
+        for op in ops:
+            if op.epoch != self.bridge.epoch:
+                continue  # written for a lease this worker lost: void
+            if op.kind == "start":
+                f.starts += op.payload
+            elif op.kind == "chunks":
+                f.chunks += [(j, c, expire or self._refresh_all) for j, c, expire in op.payload
+                             if j not in self._void]
+            elif op.kind == "end" and op.payload.job_id not in self._void:
+                f.ends.append(op.payload)
+            elif op.kind == "fail":
+                f.fails.append(op.payload)
+            elif op.kind == "release":
+                f.releases.append(op.payload)
+        return f
+
+    def _commit(self, ops: list[_Op]) -> None:
+        def attempt() -> FlushReply | None:
+            if self._abort.is_set():
+                raise _Stop
+            flush = self._flush_of(ops)  # again each try: the lease may have moved on
+            if not flush:
+                return None
+            try:
+                reply = self.bridge.commit(flush)
+            except LeaseLost:
+                self.on_lease_lost()
+                raise
+            except TRANSIENT:
+                self._refresh_all = True
+                raise
+            if flush.chunks:
+                self._refresh_all = False
+            return reply
+
+        reply = retry_forever(attempt, self._outage, (*TRANSIENT, LeaseLost))
+        if reply is not None:
+            self._deliver(reply)
+
+    def _deliver(self, reply: FlushReply) -> None:
+        for job_id, verdict in reply.started.items():
+            if verdict != "ok":
+                self._void[job_id] = None
+                if len(self._void) > VOID_MEMORY:
+                    self._void.popitem(last=False)
+        if reply.started:
+            self.inbox.put(("started", reply.started))
+        if reply.ended:
+            self.inbox.put(("ended", reply.ended))
+        if reply.settled:
+            self.inbox.put(("settled", reply.settled))
+        for problem in reply.write_problems:
+            log.warning("job %s: replay log write: %s", *problem)
+            if problem[1] != "healed":
+                self.inbox.put(("write_failed", problem))

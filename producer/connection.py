@@ -1,0 +1,74 @@
+"""Redis connections and the one backoff policy mlxq uses for them (redis-py's own).
+
+Every client mlxq makes (producers, the worker's threads, listeners) comes from
+:func:`connect`, and every loop that rides out a Redis outage retries with
+:func:`retry_forever`: redis-py's ``Retry`` with ``ExponentialBackoff``, 50 ms doubling to
+2 s. An outage is logged twice, when it starts and when it ends, not on every attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+T = TypeVar("T")
+
+#: What counts as Redis being away (restarting, unreachable, out of memory): retried.
+TRANSIENT: tuple[type[Exception], ...] = (
+    redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError,
+    redis.exceptions.BusyLoadingError,
+)
+
+
+def backoff() -> ExponentialBackoff:
+    return ExponentialBackoff(cap=2.0, base=0.025)
+
+
+def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
+    """A client for ``url`` whose single commands ride out a brief blip.
+
+    Args:
+        url: ``redis://[user:pass@]host:port/db`` or ``rediss://`` for TLS.
+        retries: Times redis-py retries a command on a dropped connection (the callers'
+            own loops handle longer outages); 0 for calls that must not be repeated
+            blindly.
+        **kw: Passed to ``redis.Redis.from_url``.
+    """
+    kw.setdefault("health_check_interval", 30)
+    kw.setdefault("socket_keepalive", True)
+    return redis.Redis.from_url(url, retry=Retry(backoff(), retries), **kw)
+
+
+class Outage:
+    """Logs the start and the end of one outage, whatever the number of attempts between."""
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self.log, self.what = log, what
+        self.since: float | None = None
+
+    def failed(self, error: Exception) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            self.log.warning("%s: redis unavailable (%s); retrying with backoff", self.what,
+                             error)
+
+    def ok(self) -> None:
+        if self.since is not None:
+            self.log.warning("%s: redis back after %.1f s", self.what,
+                             time.monotonic() - self.since)
+            self.since = None
+
+
+def retry_forever(do: Callable[[], T], outage: Outage,
+                  errors: tuple[type[Exception], ...] = TRANSIENT) -> T:
+    """Call ``do`` until it succeeds, backing off on ``errors``; other errors propagate
+    (so a caller stops a retry by raising its own)."""
+    result = Retry(backoff(), -1, supported_errors=errors).call_with_retry(do, outage.failed)
+    outage.ok()
+    return result

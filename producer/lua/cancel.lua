@@ -1,0 +1,19 @@
+-- Cancel a job, atomically against the worker's start and end: a queued job is canceled at
+-- once; a job a worker holds gets a durable cancel flag (its start and end scripts honour
+-- it, so it WILL end canceled) and its worker a message. Ended jobs are left alone.
+-- ARGV: id, now_ts, now_str, max ttl, notice
+-- Returns 'nosuch' | 'ended' | 'canceled' | 'requested'.
+local id = ARGV[1]
+local jk = jkey(id)
+local f = redis.call('HMGET', jk, 'status', 'origin', 'mlxq_owner', 'failure_ttl')
+local status, origin, owner = f[1], f[2] or '', f[3] or ''
+if status == nil then return 'nosuch' end
+if TERMINAL[status] then return 'ended' end
+if status == 'queued' and redis.call('LREM', K_QUEUE .. origin, 0, id) > 0 then
+  mark_canceled(id, K_CANCELED .. origin, f[4], tonumber(ARGV[2]), ARGV[3], ARGV[5],
+                tonumber(ARGV[4]))
+  return 'canceled'
+end
+redis.call('HSET', jk, 'mlxq_cancel', 1)
+if owner ~= '' then redis.call('PUBLISH', K_CANCEL_CHANNEL .. owner, id) end
+return 'requested'

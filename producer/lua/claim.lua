@@ -1,0 +1,70 @@
+-- Claim jobs for a worker: move up to N more ids from the queue into its WIP list and read
+-- what it needs of each, size-capped, never decompressing anything here.
+-- KEYS: queue, wip, alive, canceled registry
+-- ARGV: token, worker, now_ts, now_str, n, max_data_bytes, failure_ttl_cap, notice, ids...
+--   (ids: already moved into wip by a blocking BLMOVE, or found there by reconcile)
+-- Returns {'lease'} when the worker's lease is not its own (it was declared dead: what it
+-- was handed goes back to the queue's front), else one entry per id:
+--   {id, 'ok', data, attempt, clean, enqueued_at} | {id, 'dup', status} | {id, 'missing'}
+--   | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes} | {id, 'bad', field=value}
+--   | {id, 'oom'} (not claimed: Redis refused the write).
+local queue, wip, alive, canceled = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local n, cap, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local ids = {}
+for i = 9, #ARGV do ids[#ids + 1] = ARGV[i] end
+
+if redis.call('GET', alive) ~= token then
+  for i = #ids, 1, -1 do
+    if redis.call('LREM', wip, 1, ids[i]) == 1 then redis.call('LPUSH', queue, ids[i]) end
+  end
+  return {'lease'}
+end
+for _ = 1, n do
+  local id = redis.pcall('LMOVE', queue, wip, 'LEFT', 'RIGHT')
+  if is_err(id) or not id then break end
+  ids[#ids + 1] = id
+end
+
+local out = {}
+for _, id in ipairs(ids) do
+  local jk = jkey(id)
+  local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_clean',
+                       'mlxq_cancel', 'enqueued_at', 'failure_ttl')
+  local status, owner = f[1], f[2] or ''
+  if status == nil then
+    redis.call('LREM', wip, 1, id)
+    out[#out + 1] = {id, 'missing'}
+  elseif status ~= 'queued' or (owner ~= '' and owner ~= worker) then
+    -- Another entry for a job that runs, ran, or belongs to another worker: drop this one.
+    redis.call('LREM', wip, 1, id)
+    out[#out + 1] = {id, 'dup', status}
+  elseif f[5] == '1' then
+    redis.call('LREM', wip, 1, id)
+    mark_canceled(id, canceled, f[7], now_ts, now_str, notice, max_ttl)
+    out[#out + 1] = {id, 'canceled'}
+  else
+    local w = redis.pcall('HSET', jk, 'mlxq_owner', worker)
+    if is_err(w) then
+      -- Not claimed after all: back to the queue's front, for whoever has memory.
+      redis.call('LREM', wip, 1, id)
+      redis.call('LPUSH', queue, id)
+      out[#out + 1] = {id, 'oom'}
+    else
+      local attempt, clean = tonumber(f[3] or '0'), tonumber(f[4] or '0')
+      local size = redis.call('HSTRLEN', jk, 'data')
+      if attempt == nil or attempt < 0 or attempt ~= math.floor(attempt) then
+        out[#out + 1] = {id, 'bad', 'mlxq_attempt=' .. string.sub(f[3], 1, 40)}
+      elseif clean == nil or clean < 0 then
+        out[#out + 1] = {id, 'bad', 'mlxq_clean=' .. string.sub(f[4], 1, 40)}
+      elseif size == 0 then
+        out[#out + 1] = {id, 'nodata'}
+      elseif size > cap then
+        out[#out + 1] = {id, 'toolarge', size}
+      else
+        out[#out + 1] = {id, 'ok', redis.call('HGET', jk, 'data'), attempt, clean, f[6] or ''}
+      end
+    end
+  end
+end
+return out

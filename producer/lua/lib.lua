@@ -1,0 +1,103 @@
+-- Shared by every mlxq script (prepended after the key header from keys.py).
+--
+-- Every job-state change mlxq makes is one of these scripts, so it is atomic. Scripts never
+-- trust a hash field: numbers are parsed with fallbacks, unknown states are left alone, and
+-- each job is handled on its own, so one rogue record never stops the others. A script's
+-- first write is checked for OOM before anything else is written (Redis only refuses a
+-- script's first write when out of memory; later ones go through), so an OOM refusal
+-- leaves nothing half done and the caller retries in order.
+
+local TERMINAL = {finished = true, failed = true, canceled = true, stopped = true}
+
+local function jkey(id) return K_JOB .. id end
+
+local function is_err(r) return type(r) == 'table' and r.err ~= nil end
+
+local function is_oom(r) return is_err(r) and string.find(r.err, 'OOM', 1, true) ~= nil end
+
+-- A record's TTL from a (possibly rogue) hash field: a positive whole number, capped.
+local function record_ttl(v, default, cap)
+  local n = tonumber(v)
+  if n == nil or n <= 0 then n = default end
+  if n > cap then n = cap end
+  return math.floor(n)
+end
+
+-- Close a job's rq execution: its hash, its registry entries and the worker's index.
+local function end_execution(id, exec, started, worker_execs)
+  if exec == nil or exec == '' then return end
+  local composite = id .. ':' .. exec
+  redis.call('DEL', K_EXECUTION .. composite)
+  redis.call('ZREM', started, composite)
+  redis.call('ZREM', K_EXECUTIONS .. id, exec)
+  if worker_execs ~= nil then redis.call('SREM', worker_execs, composite) end
+end
+
+-- Record a job as canceled (rq's CanceledJobRegistry) and nudge its listeners.
+local function mark_canceled(id, origin_canceled, failure_ttl, now_ts, now_str, notice, max_ttl)
+  local jk = jkey(id)
+  redis.call('HSET', jk, 'status', 'canceled', 'ended_at', now_str)
+  redis.call('ZADD', origin_canceled, now_ts, id)
+  redis.call('EXPIRE', jk, record_ttl(failure_ttl, max_ttl, max_ttl))
+  redis.call('PUBLISH', K_CHANNEL .. id, notice)
+end
+
+-- Append one chunk to a job's replay log, then publish it. Chunks of a job are written in
+-- order, so an entry at or past ``seq`` that is not this very chunk is foreign (forged):
+-- it is deleted and the log's last id set back, so the write goes through.
+-- Returns 'ok', 'dup' (a retried write, already there), 'healed', 'oom' or an error text.
+local function write_chunk(id, seq, data, ttl, expire)
+  local stream, eid = K_STREAM .. id, '0-' .. seq
+  local r = redis.pcall('XADD', stream, eid, 'c', data)
+  local how = 'ok'
+  if is_err(r) then
+    if is_oom(r) then return 'oom' end
+    if not string.find(r.err, 'equal or smaller', 1, true) then return r.err end
+    local here = redis.call('XRANGE', stream, eid, eid)
+    if #here == 1 and here[1][2][2] == data then
+      how = 'dup'
+    else
+      for _, entry in ipairs(redis.call('XRANGE', stream, eid, '+')) do
+        redis.call('XDEL', stream, entry[1])
+      end
+      local prev = '0-' .. (tonumber(seq) - 1)
+      redis.call('XSETID', stream, prev, 'ENTRIESADDED', redis.call('XLEN', stream),
+                 'MAXDELETEDID', prev)
+      r = redis.pcall('XADD', stream, eid, 'c', data)
+      if is_err(r) then return r.err end
+      how = 'healed'
+    end
+  end
+  if how ~= 'dup' then redis.call('PUBLISH', K_CHANNEL .. id, data) end
+  if expire then redis.call('EXPIRE', stream, ttl) end
+  return how
+end
+
+-- Give a held job back to the queue's front (or end it canceled when a cancel is pending).
+-- ``owns(owner)`` says whether the caller may touch it. Returns 'requeued', 'canceled',
+-- 'skipped' (not the caller's, or already gone from ``wip``) or 'ended'.
+local function requeue_one(id, c, owns, clean)
+  local jk = jkey(id)
+  local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_exec',
+                       'failure_ttl')
+  local status, owner = f[1], f[2] or ''
+  if not owns(owner) then
+    redis.call('LREM', c.wip, 1, id)
+    return 'skipped'
+  end
+  if redis.call('LREM', c.wip, 1, id) == 0 then return 'skipped' end
+  if status == nil or TERMINAL[status] then return 'ended' end
+  if status == 'started' then end_execution(id, f[4], c.started, c.worker_execs) end
+  if f[3] == '1' then
+    mark_canceled(id, c.canceled, f[5], c.now_ts, c.now_str, c.notice, c.max_ttl)
+    return 'canceled'
+  end
+  redis.call('HSET', jk, 'status', 'queued')
+  redis.call('HDEL', jk, 'mlxq_owner', 'mlxq_exec')
+  if clean and status == 'started' then
+    local n = tonumber(redis.call('HGET', jk, 'mlxq_clean')) or 0
+    redis.call('HSET', jk, 'mlxq_clean', n + 1)
+  end
+  redis.call('LPUSH', c.queue, id)
+  return 'requeued'
+end

@@ -1,0 +1,391 @@
+"""Every Redis read and write the worker makes: rq's bookkeeping and mlxq's, in bulk.
+
+rq's own worker runs one job at a time through Python methods that cost several round
+trips each; mlxq's holds a whole batch, so it writes the very keys rq's methods write
+(the job hash, StartedJobRegistry and executions, the result log, the finished / failed /
+canceled registries, the worker's counters) from Lua scripts, many jobs per call, and
+``rq info``, ``Job.get_status()`` and ``job.return_value()`` stay true.
+
+Fencing: every script first checks the worker's lease (``mlxq:alive:<name>`` holding this
+worker's token). A worker that was frozen past its lease, or declared dead and reaped,
+has every write refused until it has learned what it still owns (nothing, if reaped).
+Each job's start and end also check that the job is still this worker's.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import socket
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.utils import utcformat
+from rq.worker import SimpleWorker
+
+from mlxq.producer import keys, scripts
+from mlxq.producer.codec import (
+    MAX_JOB_DATA_BYTES,
+    NOTICE,
+    Chunk,
+    MsgpackSerializer,
+    encode_chunk,
+    first_seq,
+)
+from mlxq.producer.connection import connect
+from mlxq.worker.config import WorkerConfig
+
+log = logging.getLogger("mlxq.worker")
+
+#: Lease length; a worker not heard from for this long may be reaped.
+LEASE_MS = 5000
+#: How long rq's StartedJobRegistry entries and executions of running jobs last between
+#: refreshes (``refresh`` runs far more often): rq's maintenance never calls a job of a
+#: live mlxq worker abandoned.
+STARTED_TTL = 3600
+#: How long a reaped worker's marker lives (it tells that worker, should it wake).
+REAPED_TTL = 24 * 3600
+STATS_TTL = 60
+#: The longest a blocking wait for a job holds a connection: well under the lease, so a job
+#: Redis hands a worker that froze meanwhile lands before that worker can be reaped.
+BLOCK_S = 1.0
+
+
+class LeaseLost(Exception):
+    """A write was refused: this worker's lease is not its own (frozen, or reaped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What the claim script read of one job it moved into this worker's WIP list.
+
+    ``verdict`` is ``"ok"`` (``data`` holds rq's stored job data) or why it was not:
+    ``dup``, ``missing``, ``canceled``, ``nodata``, ``toolarge``, ``bad``, ``oom``.
+    """
+
+    id: bytes
+    verdict: str
+    data: bytes = b""
+    attempts: int = 0
+    clean: int = 0
+    enqueued_at: str = ""
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class End:
+    """One job's end for the end script."""
+
+    job_id: str
+    outcome: str  # finished | failed | canceled
+    execution_id: str
+    started_at: float
+    final: Chunk
+    canceled: Chunk  # written instead of final when a cancel won the race
+    result: dict[str, Any] | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Flush:
+    """One round trip of writes, in the order they must land: chunks, then ends and
+    failures and hand-backs, then starts (a row's end lands before its next job's start,
+    so rq never shows more started jobs than the batch holds)."""
+
+    chunks: list[tuple[str, Chunk, bool]] = field(default_factory=list)
+    ends: list[End] = field(default_factory=list)
+    fails: list[tuple[str, int, str]] = field(default_factory=list)  # id, attempts, reason
+    releases: list[tuple[str, list[str | bytes]]] = field(default_factory=list)  # mode, ids
+    starts: list[tuple[str, int, str]] = field(default_factory=list)  # id, before, exec id
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.ends or self.fails or self.releases or self.starts)
+
+
+@dataclass(slots=True)
+class FlushReply:
+    started: dict[str, str] = field(default_factory=dict)  # id -> ok | canceled | refused
+    ended: dict[str, str] = field(default_factory=dict)  # id -> outcome | refused
+    settled: dict[str, str] = field(default_factory=dict)  # failed before start, handed back
+    write_problems: list[tuple[str, str]] = field(default_factory=list)
+
+
+_RELEASED = {"requeued": "requeued", "canceled": "canceled"}
+
+
+def _now() -> tuple[float, str]:
+    dt = datetime.now(timezone.utc)
+    return dt.timestamp(), utcformat(dt)
+
+
+def _zlib_text(text: str) -> bytes:
+    return zlib.compress(text.encode("utf-8", "replace"))
+
+
+def _s(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+class Bridge:
+    """One worker's Redis: its queue, its WIP list, its lease, rq's records.
+
+    Args:
+        config: The worker's configuration (URL, queue, name, TTLs).
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.name = config.worker_name
+        self.queue_name = config.queue
+        # Thread-safe pools: one for the writer, liveness and cancels; one whose commands
+        # are never retried blindly, for moving jobs (a lost reply there is reconciled).
+        self.redis = connect(config.redis_url)
+        self.mover = connect(config.redis_url, retries=0,
+                             socket_timeout=BLOCK_S + 10)
+        self.epoch = 0
+        self.token = self._new_token()
+        q = config.queue
+        self.k_queue, self.k_wip = keys.queue_key(q), keys.wip_key(self.name)
+        self.k_alive, self.k_roll = keys.alive_key(self.name), keys.workers_key(q)
+        self.k_started, self.k_rq_worker = keys.started_registry(q), keys.rq_worker_key(self.name)
+        self.k_execs = keys.rq_worker_executions(self.name)
+        self.k_finished, self.k_failed = keys.finished_registry(q), keys.failed_registry(q)
+        self.k_canceled = keys.canceled_registry(q)
+        self.rq_queue = Queue(q, connection=self.redis, serializer=MsgpackSerializer)
+        self.rq_worker = SimpleWorker([self.rq_queue], connection=self.redis, name=self.name,
+                                      serializer=MsgpackSerializer)
+        self._state = ""
+
+    def _new_token(self) -> str:
+        return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def register(self) -> None:
+        for s in scripts.SCRIPTS.values():
+            self.redis.script_load(s.source)
+        self.rq_worker.register_birth()
+        self.set_state("idle")
+        self.beat()
+
+    def unregister(self, leave: bool) -> None:
+        """Leave for good. ``leave``: the worker holds nothing, so it leaves the roll;
+        otherwise it stays on it, its lease dropped, for a live worker to reap at once."""
+        with self.redis.pipeline() as p:
+            if leave:
+                p.srem(self.k_roll, self.name)
+            p.delete(self.k_alive, keys.worker_stats_key(self.name))
+            p.execute()
+        self.rq_worker.register_death()
+
+    def set_state(self, state: str) -> None:
+        if state != self._state:
+            self.rq_worker.set_state(state)
+            self._state = state
+
+    def rq_heartbeat(self) -> None:
+        self.rq_worker.heartbeat()
+
+    def beat(self) -> str:
+        """Keep the lease: ``ok``, ``renewed`` (it had lapsed, nobody took over) or
+        ``reaped`` (declared dead: nothing is this worker's any more)."""
+        return _s(scripts.call(self.redis, "beat",
+                               [self.k_alive, self.k_roll, keys.reaped_key(self.name)],
+                               [self.token, self.name, LEASE_MS]))
+
+    def rejoin(self) -> int:
+        """After being reaped: a new token (old writes stay refused), and what a queue
+        handed this worker meanwhile goes back. Returns how many entries it handed back."""
+        self.epoch += 1
+        self.token = self._new_token()
+        now_ts, now_str = _now()
+        n = scripts.call(self.redis, "rejoin", self._reap_keys(self.name),
+                         [self.token, self.name, now_ts, now_str, keys.DEFAULT_FAILURE_TTL,
+                          NOTICE, LEASE_MS])
+        return int(n)
+
+    def _reap_keys(self, worker: str) -> list[str]:
+        return [keys.alive_key(worker), keys.wip_key(worker), self.k_queue, self.k_roll,
+                self.k_started, keys.rq_worker_executions(worker), keys.reaped_key(worker),
+                self.k_canceled]
+
+    def roll(self) -> list[tuple[str, str | None]]:
+        """Every worker on this queue's roll, with its lease value (None: none)."""
+        names = sorted(_s(n) for n in self.redis.smembers(self.k_roll))
+        values = self.redis.mget([keys.alive_key(n) for n in names]) if names else []
+        return [(n, None if v is None else _s(v)) for n, v in zip(names, values, strict=True)]
+
+    def reap(self, worker: str, seen: str | None) -> list[str] | None:
+        """Requeue a dead worker's jobs; None when it turned out alive."""
+        now_ts, now_str = _now()
+        out = scripts.call(self.redis, "reap", self._reap_keys(worker),
+                           [worker, seen or "", now_ts, now_str, keys.DEFAULT_FAILURE_TTL,
+                            NOTICE, REAPED_TTL])
+        if _s(out[0]) != "reaped":
+            return None
+        return [_s(i) for i in out[1:]]
+
+    def refresh(self, running: Sequence[tuple[str, str]]) -> None:
+        """Keep rq's records of running jobs (id, execution id) from expiring."""
+        now_ts, now_str = _now()
+        args: list[scripts.Arg] = [self.token, now_ts, now_str, STARTED_TTL]
+        for job_id, execution_id in running:
+            args += [job_id, execution_id]
+        scripts.call(self.redis, "refresh", [self.k_alive, self.k_started, self.k_rq_worker],
+                     args)
+
+    def write_stats(self, state: str, stats: dict[str, Any]) -> None:
+        key = keys.worker_stats_key(self.name)
+        with self.redis.pipeline() as p:
+            p.hset(key, mapping={"state": state, "stats": MsgpackSerializer.dumps(stats)})
+            p.expire(key, STATS_TTL)
+            p.execute()
+
+    def cancel_flags(self, job_ids: Sequence[str]) -> list[str]:
+        """Which of these held jobs carry a cancel request."""
+        with self.redis.pipeline(transaction=False) as p:
+            for j in job_ids:
+                p.hget(keys.job_key(j), "mlxq_cancel")
+            flags = p.execute()
+        return [j for j, f in zip(job_ids, flags, strict=True) if f == b"1"]
+
+    # -- moving jobs (the prefetch thread) ---------------------------------------------
+
+    def wait_for_job(self, timeout: float = BLOCK_S) -> bytes | None:
+        """Block until one job id moves from the queue into this worker's WIP list."""
+        # redis-py annotates an int; BLMOVE takes fractions of a second (Redis >= 6).
+        raw = self.mover.blmove(self.k_queue, self.k_wip, timeout,  # type: ignore[arg-type]
+                                "LEFT", "RIGHT")
+        return raw if isinstance(raw, bytes) else None
+
+    def wip(self) -> list[bytes]:
+        return [x for x in self.mover.lrange(self.k_wip, 0, -1) if isinstance(x, bytes)]
+
+    def claim(self, n: int, moved: Sequence[bytes] = ()) -> list[Claimed]:
+        """Claim up to ``n`` more jobs from the queue, plus ``moved`` (already in the WIP
+        list).
+
+        Raises:
+            LeaseLost: the lease is not this worker's; what it was handed went back.
+        """
+        now_ts, now_str = _now()
+        out = scripts.call(self.mover, "claim",
+                           [self.k_queue, self.k_wip, self.k_alive, self.k_canceled],
+                           [self.token, self.name, now_ts, now_str, n, MAX_JOB_DATA_BYTES,
+                            keys.DEFAULT_FAILURE_TTL, NOTICE, *moved])
+        if out and out[0] == b"lease":
+            raise LeaseLost(self.name)
+        claimed = []
+        for e in out:
+            verdict = _s(e[1])
+            if verdict == "ok":
+                claimed.append(Claimed(e[0], verdict, e[2], int(e[3]), int(e[4]), _s(e[5])))
+            else:
+                claimed.append(Claimed(e[0], verdict, detail=" ".join(_s(x) for x in e[2:])))
+        return claimed
+
+    # -- writing (the writer thread) ---------------------------------------------------
+
+    def commit(self, f: Flush) -> FlushReply:
+        """Write one flush in one round trip.
+
+        Raises:
+            LeaseLost: the lease is not this worker's (nothing was written).
+            redis.exceptions.OutOfMemoryError: Redis refused it (nothing was written past
+                the point it reports; the caller retries the same flush, idempotently).
+        """
+        now_ts, now_str = _now()
+        calls: list[tuple[str, list[str], list[scripts.Arg]]] = []
+        if f.chunks:
+            calls.append(("chunks", [self.k_alive], self._chunk_args(f.chunks)))
+        if f.ends:
+            calls.append(("end", [self.k_alive, self.k_started, self.k_rq_worker, self.k_execs,
+                                  self.k_wip, self.k_finished, self.k_failed, self.k_canceled],
+                          self._end_args(f.ends, now_ts, now_str)))
+        if f.fails:
+            calls.append(("fail", [self.k_alive, self.k_wip, self.k_failed],
+                          self._fail_args(f.fails, now_ts, now_str)))
+        for mode, ids in f.releases:
+            calls.append(("release", [self.k_alive, self.k_wip, self.k_queue, self.k_started,
+                                      self.k_execs, self.k_canceled],
+                          [self.token, self.name, now_ts, now_str, keys.DEFAULT_FAILURE_TTL,
+                           NOTICE, mode, *ids]))
+        if f.starts:
+            args: list[scripts.Arg] = [self.token, self.name, now_ts, now_str, STARTED_TTL,
+                                       keys.DEFAULT_FAILURE_TTL, NOTICE]
+            for job_id, before, exec_id in f.starts:
+                args += [job_id, before, exec_id]
+            calls.append(("start", [self.k_alive, self.k_started, self.k_rq_worker,
+                                    self.k_execs, self.k_wip, self.k_canceled], args))
+        replies = scripts.run(self.redis, calls)
+        return self._parse(calls, replies)
+
+    def _chunk_args(self, chunks: list[tuple[str, Chunk, bool]]) -> list[scripts.Arg]:
+        args: list[scripts.Arg] = [self.token, self.config.stream_ttl]
+        for job_id, c, expire in chunks:
+            args += [job_id, c.seq, encode_chunk(c), 1 if expire else 0]
+        return args
+
+    def _end_args(self, ends: list[End], now_ts: float, now_str: str) -> list[scripts.Arg]:
+        args: list[scripts.Arg] = [self.token, self.name, now_ts, now_str, self.config.stream_ttl,
+                                   keys.DEFAULT_RESULT_TTL, keys.DEFAULT_FAILURE_TTL,
+                                   keys.MAX_RECORD_TTL]
+        for e in ends:
+            if e.outcome == "finished":
+                value = base64.b64encode(MsgpackSerializer.dumps(e.result)).decode()
+                exc_info = b""
+            else:
+                exc_info = _zlib_text(e.reason)
+                value = base64.b64encode(exc_info).decode()
+            args += [e.job_id, e.outcome, e.execution_id, value, exc_info, e.started_at,
+                     e.final.seq, encode_chunk(e.final), encode_chunk(e.canceled)]
+        return args
+
+    def _fail_args(self, fails: list[tuple[str, int, str]], now_ts: float,
+                   now_str: str) -> list[scripts.Arg]:
+        args: list[scripts.Arg] = [self.token, self.name, now_ts, now_str,
+                                   self.config.stream_ttl, keys.DEFAULT_FAILURE_TTL,
+                                   keys.MAX_RECORD_TTL]
+        for job_id, attempts, reason in fails:
+            exc = _zlib_text(reason)
+            # It never ran: its error chunk opens a run of its own, after the last one.
+            chunk = Chunk(first_seq(attempts + 1), kind="error", finish_reason="error",
+                          attempt=attempts + 1, error=reason)
+            args += [job_id, base64.b64encode(exc).decode(), exc, chunk.seq, encode_chunk(chunk)]
+        return args
+
+    def _parse(self, calls: list[tuple[str, list[str], list[scripts.Arg]]],
+               replies: list[Any]) -> FlushReply:
+        out = FlushReply()
+        for (name, _, calls_args), reply in zip(calls, replies, strict=True):
+            if reply and reply[0] == b"lease":
+                raise LeaseLost(self.name)
+            if reply and reply[0] == b"oom":
+                raise redis.exceptions.OutOfMemoryError(f"{name}: refused (out of memory)")
+            if name == "chunks":
+                problems = reply[1]
+                out.write_problems += [(_s(problems[i]), _s(problems[i + 1]))
+                                       for i in range(0, len(problems), 2)]
+            elif name == "start":
+                out.started.update({_s(e[0]): _s(e[1]) for e in reply})
+            elif name == "end":
+                for e in reply:
+                    out.ended[_s(e[0])] = _s(e[1])
+                    if len(e) > 2 and _s(e[2]) not in ("ok", "dup"):
+                        out.write_problems.append((_s(e[0]), _s(e[2])))
+            elif name == "fail":
+                out.settled.update({_s(e[0]): "failed" if e[1] == b"failed" else "dropped"
+                                    for e in reply})
+            elif name == "release":
+                ids = calls_args[7:]
+                for job_id, what in zip(ids, reply, strict=True):
+                    out.settled[_s(job_id)] = _RELEASED.get(_s(what), "dropped")
+        return out
+

@@ -1,0 +1,101 @@
+"""What ``mlxq worker`` takes, with its defaults: no MLX here, so ``--help`` works anywhere."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+from mlxq.producer import keys
+from mlxq.producer.params import MAX_TOKENS_CAP
+
+#: 20 ms is short beside a single decode step of any real model, yet long enough that a
+#: burst of submits shares one prefill pass.
+DEFAULT_WINDOW_MS = 20.0
+#: mlx-lm's own default; tokens/s keeps rising past it on a GPU (64 is a good choice
+#: there), while on a CPU larger batches mostly add latency.
+DEFAULT_MAX_BATCH = 32
+#: Tokens a job makes within this interval go out as one chunk (its first token never
+#: waits). 50 ms is 20 updates a second, smooth to a reader, while a busy batch writes
+#: several tokens per Redis command instead of one.
+DEFAULT_STREAM_INTERVAL_MS = 50.0
+DEFAULT_GRACE_S = 30.0
+#: Admission ageing bound (see ``mlxq.batching.admission``).
+DEFAULT_MAX_WAIT_STEPS = 32
+
+
+def default_name() -> str:
+    """``host.pid.random``: rq refuses a name whose dead twin is still registered."""
+    return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything ``mlxq worker`` takes; checked on construction.
+
+    Args:
+        model: mlx-lm model path or Hugging Face repo id.
+        redis_url: Redis URL (``redis://``, ``rediss://``, with credentials).
+        queue: Queue to serve.
+        window_ms: How long an idle worker waits after a first job for others to share
+            its prefill batch.
+        max_batch: Most jobs decoding at once.
+        name: Worker name; None picks ``host.pid.random``.
+        grace_s: On SIGTERM, how long in-flight jobs may run before they are requeued.
+        max_tokens_cap: Largest ``max_tokens`` the worker accepts.
+        stream_ttl: Seconds a job's replay log lives after its last chunk.
+        stream_interval_ms: Tokens made within this interval share one chunk; 0 writes
+            every token as it comes.
+        max_wait_steps: Admission ageing bound (see ``mlxq.batching.admission``).
+
+    Raises:
+        ValueError: naming the field and the bad value.
+    """
+
+    model: str
+    redis_url: str = keys.DEFAULT_REDIS_URL
+    queue: str = "default"
+    window_ms: float = DEFAULT_WINDOW_MS
+    max_batch: int = DEFAULT_MAX_BATCH
+    name: str | None = None
+    grace_s: float = DEFAULT_GRACE_S
+    max_tokens_cap: int = MAX_TOKENS_CAP
+    stream_ttl: int = keys.DEFAULT_STREAM_TTL
+    stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
+    max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r}: give a model path or repo id")
+        if not isinstance(self.queue, str) or not 0 < len(self.queue) <= 128:
+            raise ValueError(f"queue={self.queue!r}: must be 1 to 128 characters")
+        _number("window_ms", self.window_ms, 0, 60_000)
+        _number("grace_s", self.grace_s, 0, 7 * 24 * 3600)
+        _number("stream_interval_ms", self.stream_interval_ms, 0, 10_000)
+        _integer("max_batch", self.max_batch, 1, 4096)
+        _integer("stream_ttl", self.stream_ttl, 1, keys.MAX_RECORD_TTL)
+        _integer("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
+        _integer("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
+        if self.name is None:
+            object.__setattr__(self, "name", default_name())
+        elif not isinstance(self.name, str) or not 0 < len(self.name) <= 200 or any(
+                c.isspace() or c == ":" for c in self.name):
+            raise ValueError(f"name={self.name!r}: 1 to 200 characters, no spaces or ':'")
+
+    @property
+    def worker_name(self) -> str:
+        return self.name or ""
+
+
+def _number(name: str, value: object, lo: float, hi: float) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and lo <= value <= hi)
+    if not ok:
+        raise ValueError(f"{name}={value!r}: must be a number in [{lo:g}, {hi:g}]")
+
+
+def _integer(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}]")

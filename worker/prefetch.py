@@ -1,0 +1,247 @@
+"""Jobs claimed, decoded and tokenized ahead of need, off the decode thread.
+
+The decode loop says how many jobs it could use soon (``want``); this thread keeps that
+many ready in a local buffer: it claims them in bulk (one script call moves and reads
+many), checks each payload by name, tokenizes it, and hands over :class:`Job` records.
+When the queue is empty it blocks on it, so an idle worker hears of a job at once. A job
+that cannot run (unreadable, invalid, too long, past its ttl) fails here, by its reason,
+through the writer; it never reaches the decode loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime
+
+from mlxq.producer.codec import decode_job_data
+from mlxq.producer.connection import TRANSIENT, Outage, backoff
+from mlxq.producer.errors import PayloadError
+from mlxq.producer.params import GenerationRequest
+from mlxq.worker.bridge import Bridge, Claimed, LeaseLost
+from mlxq.worker.jobs import Job
+from mlxq.worker.sink import Sink
+
+log = logging.getLogger("mlxq.worker")
+
+#: Longest job id accepted; rq's are UUIDs, anything this long is no id of ours.
+MAX_ID_CHARS = 200
+
+
+def _readable_id(raw: bytes) -> str | None:
+    try:
+        job_id = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not 0 < len(job_id) <= MAX_ID_CHARS or not job_id.isprintable():
+        return None
+    return job_id
+
+
+def decode_request(raw: bytes, max_tokens_cap: int) -> GenerationRequest:
+    """Check what a claimed job's stored data holds; never trusts (or unpickles) it.
+
+    Raises:
+        PayloadError: naming what is wrong.
+    """
+    return GenerationRequest.from_payload(decode_job_data(raw), max_tokens_cap=max_tokens_cap)
+
+
+def ttl_expired(req: GenerationRequest, enqueued_at: float | None) -> str | None:
+    """Why a job waited past its ``ttl`` in the queue, or None."""
+    if req.ttl is None or enqueued_at is None:
+        return None
+    waited = time.time() - enqueued_at
+    if waited <= req.ttl:
+        return None
+    return f"ttl expired: waited {waited:.1f} s in the queue (ttl={req.ttl:g} s)"
+
+
+def _timestamp(value: str) -> float | None:
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+class Prefetcher:
+    """Keeps ``want`` jobs ready for the decode loop.
+
+    Args:
+        bridge: The worker's Redis.
+        sink: The writer, for jobs that fail before they start.
+        encode: Tokenizes a request (raises ``PayloadError`` for a prompt the model
+            cannot take).
+        max_tokens_cap: Largest ``max_tokens`` accepted.
+        holds: Whether the worker holds a job id in any state (its end not committed).
+        runs: Whether it holds it buffered or running (a second claim is a duplicate).
+    """
+
+    def __init__(self, bridge: Bridge, sink: Sink, encode: Callable[[GenerationRequest], list[int]],
+                 *, max_tokens_cap: int, holds: Callable[[str], bool],
+                 runs: Callable[[str], bool]) -> None:
+        self.bridge, self.sink, self.encode = bridge, sink, encode
+        self.max_tokens_cap, self.is_held, self.runs = max_tokens_cap, holds, runs
+        self.want = 0
+        self.failed = 0
+        self._ready: deque[Job] = deque()
+        self._ready_ids: set[str] = set()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._resync = True  # look over the WIP list first: a restart may have left entries
+        self._outage = Outage(log, "prefetch")
+        self._thread = threading.Thread(target=self._run, name="mlxq-prefetch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(10)
+
+    def pause(self, paused: bool) -> None:
+        """Claim nothing while paused (a suspended queue, a lost lease)."""
+        if paused:
+            self._paused.set()
+        else:
+            self._paused.clear()
+            with self._cond:
+                self._cond.notify_all()
+
+    def take(self) -> list[Job]:
+        """Everything ready, in claim order (called by the decode loop)."""
+        with self._cond:
+            jobs = list(self._ready)
+            self._ready.clear()
+            self._ready_ids.clear()
+            self._cond.notify_all()
+        return jobs
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a job is ready or ``timeout`` passed; whether one is."""
+        with self._cond:
+            if not self._ready:
+                self._cond.wait(timeout)
+            return bool(self._ready)
+
+    def holds(self, job_id: str) -> bool:
+        """Whether a job is ready here (safe from any thread: a set lookup)."""
+        return job_id in self._ready_ids
+
+    def drain(self) -> list[Job]:
+        """Stop claiming and hand back what is buffered (shutdown)."""
+        self.stop()
+        return self.take()
+
+    # -- the thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                self._turn()
+                self._outage.ok()
+                failures = 0
+            except TRANSIENT as e:
+                self._outage.failed(e)
+                self._resync = True  # a move whose reply was lost may have moved a job to us
+                failures += 1
+                self._stop.wait(backoff().compute(failures))
+            except LeaseLost:
+                self._stop.wait(0.2)  # the liveness thread sorts the lease out
+            except Exception:
+                log.exception("prefetch: going on after an unexpected error")
+                self._stop.wait(0.5)
+
+    def _need(self) -> int:
+        with self._cond:
+            need = self.want - len(self._ready)
+            if need <= 0 or self._paused.is_set():
+                self._cond.wait(0.05)
+                return 0
+            return need
+
+    def _turn(self) -> None:
+        if self._resync:
+            stray = [raw for raw in self.bridge.wip()
+                     if (i := _readable_id(raw)) is None or not self.is_held(i)]
+            self._resync = False
+            if stray:
+                self._accept(self.bridge.claim(0, stray))
+        need = self._need()
+        if need <= 0:
+            return
+        claimed = self.bridge.claim(need)
+        if not claimed:
+            first = self.bridge.wait_for_job()
+            if first is None:
+                return
+            if self._stop.is_set():  # stopping: hand it straight back
+                self.sink.release("requeue", [first])
+                return
+            claimed = self.bridge.claim(need - 1, [first])
+        self._accept(claimed)
+
+    def _accept(self, claimed: list[Claimed]) -> None:
+        ready = []
+        for c in claimed:
+            job = self._decode(c)
+            if job is not None:
+                ready.append(job)
+        if ready:
+            with self._cond:
+                self._ready.extend(ready)
+                self._ready_ids.update(j.id for j in ready)
+                self._cond.notify_all()
+
+    def _decode(self, c: Claimed) -> Job | None:
+        job_id = _readable_id(c.id)
+        if job_id is None:
+            log.warning("dropped queue entry %r: not a job id", c.id[:80])
+            self.sink.release("drop", [c.id])
+            return None
+        if c.verdict != "ok":
+            self._refused(job_id, c)
+            return None
+        if self.runs(job_id):
+            log.warning("job %s: a second queue entry for a job this worker holds; dropped",
+                        job_id)
+            self.sink.release("drop", [job_id])
+            return None
+        try:
+            req = decode_request(c.data, self.max_tokens_cap)
+            if (why := ttl_expired(req, _timestamp(c.enqueued_at))) is not None:
+                self._fail(job_id, c, why)
+                return None
+            ids = self.encode(req)
+        except PayloadError as e:
+            self._fail(job_id, c, f"invalid job: {e}")
+            return None
+        except Exception as e:  # a tokenizer or template error is this job's, not ours
+            self._fail(job_id, c, f"invalid job: {type(e).__name__}: {e}")
+            return None
+        return Job(job_id, req, ids, c.attempts, c.clean, _timestamp(c.enqueued_at),
+                   epoch=self.bridge.epoch)
+
+    def _refused(self, job_id: str, c: Claimed) -> None:
+        reasons = {"nodata": "its record has no job data",
+                   "toolarge": f"its job data is too large ({c.detail} bytes)",
+                   "bad": f"its record holds {c.detail}"}
+        if c.verdict in reasons:
+            self._fail(job_id, c, f"unreadable job record: {reasons[c.verdict]}")
+        elif c.verdict in ("dup", "missing"):
+            log.warning("job %s: dropped a stale queue entry (%s %s)", job_id, c.verdict,
+                        c.detail)
+        elif c.verdict == "canceled":
+            log.info("job %s canceled before it started", job_id)
+
+    def _fail(self, job_id: str, c: Claimed, reason: str) -> None:
+        log.warning("job %s failed before start: %s", job_id, reason)
+        self.failed += 1
+        self.sink.fail(job_id, c.attempts, reason)
