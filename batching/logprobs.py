@@ -12,10 +12,9 @@ log-probs are likewise reported independent of temperature and top_p. A token
 that ``min_tokens`` masks has -inf, and so may appear in a top list only when
 fewer than k tokens are left unmasked.
 
-Cost: a row's top k needs an argpartition over its whole vocabulary (~2 ms per
-row at V = 152k on the 2-core CPU here), so only the rows that asked for top
-log-probs pay for it, in one call for all of them; the chosen token's log-prob
-is one gather.
+Cost: only the rows that asked pay, in one call for all of them: a gather of
+those rows, one max over their vocabulary and two small argpartitions (see
+``_top_k``), then a sort of the k. The chosen token's log-prob is one gather.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ import mlx.core as mx
 
 #: OpenAI's cap on ``top_logprobs``.
 MAX_TOP_LOGPROBS = 20
+#: Chunk sizes tried for the top-k search, largest first (see ``_top_k``).
+_CHUNKS = (128, 64, 32)
 
 
 def top_logprobs(
@@ -58,15 +59,35 @@ def top_logprobs(
     if k == 0:
         b = logprobs.shape[0]
         return chosen, mx.zeros((b, 0), dtype=mx.int32), mx.zeros((b, 0), dtype=mx.float32)
-    if k < vocab:
-        # Partitioning at V - k keeps the k largest on the right, without negating (B, V).
-        idx = mx.argpartition(logprobs, kth=vocab - k, axis=1)[:, vocab - k :]
-    else:
-        idx = mx.argsort(logprobs, axis=1)
+    idx = _top_k(logprobs, k)
     vals = mx.take_along_axis(logprobs, idx, axis=1)
     order = mx.argsort(-vals.astype(mx.float32), axis=1)
     top_ids = mx.take_along_axis(idx, order, axis=1).astype(mx.int32)
     return chosen, top_ids, mx.take_along_axis(vals, order, axis=1).astype(mx.float32)
+
+
+def _top_k(x: mx.array, k: int) -> mx.array:
+    """The ids of each row's k largest values, in no order.
+
+    Through chunk maxima when V splits into chunks of 128 (or 64, 32): the k
+    largest values lie in the k chunks with the largest maxima (a chunk left out
+    has k chunks above it, each holding a value at least its max), so one max
+    over (B, V) and two small argpartitions replace an argpartition over (B, V):
+    ~5 ms instead of ~45 ms for 32 rows at V = 152k on the CPU here.
+    """
+    b, vocab = x.shape
+    for c in _CHUNKS:
+        if vocab % c == 0 and vocab >= 4 * k * c:
+            n = vocab // c
+            top = mx.argpartition(x.reshape(b, n, c).max(axis=2), kth=n - k, axis=1)[:, n - k :]
+            cand = (top[:, :, None] * c + mx.arange(c, dtype=top.dtype)).reshape(b, k * c)
+            vals = mx.take_along_axis(x, cand, axis=1)
+            pick = mx.argpartition(vals, kth=k * c - k, axis=1)[:, k * c - k :]
+            return mx.take_along_axis(cand, pick, axis=1)
+    if k == vocab:
+        return mx.argsort(x, axis=1)
+    # Partitioning at V - k keeps the k largest on the right, without negating (B, V).
+    return mx.argpartition(x, kth=vocab - k, axis=1)[:, vocab - k :]
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,24 @@ def test_matches_numpy(rows: int, vocab: int, k: int, levels: int, seed: int) ->
         check_row(lp[i], int(tokens[i]), k, chosen.tolist()[i], ids.tolist()[i], vals.tolist()[i])
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    vocab=st.sampled_from([2_560, 4_096, 10_240, 12_320, 20_480]),
+    k=st.integers(1, 20),
+    levels=st.sampled_from([0, 1, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_search_matches_numpy(vocab: int, k: int, levels: int, seed: int) -> None:
+    # Vocabularies that split into chunks of 32 to 128: the chunk-maxima path, ties included.
+    lp = _logprobs(3, vocab, seed, levels)
+    tokens = mx.array([0, vocab - 1, vocab // 2])
+    chosen, ids, vals = top_logprobs(mx.array(lp), tokens, k)
+    for i in range(3):
+        check_row(
+            lp[i], int(tokens[i].item()), k, chosen.tolist()[i], ids.tolist()[i], vals.tolist()[i]
+        )
+
+
 def test_whole_vocabulary_and_bfloat16() -> None:
     lp = _logprobs(3, 30, seed=1)
     tokens = mx.array([0, 29, 7])
