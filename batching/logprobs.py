@@ -197,7 +197,8 @@ def step_logprobs(logprobs: mx.array, tokens: mx.array, rows: LogprobRows) -> St
 def to_host(step: StepLogprobs, rows: LogprobRows) -> list[TokenLogprob | None]:
     """Per batch row, its :class:`TokenLogprob` (None where it did not ask).
 
-    One host transfer per array; each row's top list is cut to its own request.
+    One wait for the device, then one host copy per array; each row's top list
+    is cut to its own request.
 
     Args:
         step: What :func:`step_logprobs` returned for this composition.
@@ -206,6 +207,7 @@ def to_host(step: StepLogprobs, rows: LogprobRows) -> list[TokenLogprob | None]:
     Returns:
         One entry per batch row, in row order.
     """
+    mx.eval(step.arrays())  # one wait for all four, not one each
     tokens, chosen, ids, vals = (cast(list[Any], a.tolist()) for a in step.arrays())
     out: list[TokenLogprob | None] = []
     j = 0
