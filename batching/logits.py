@@ -22,6 +22,15 @@ once where mlx-lm hits it once; entries that must change nothing write the
 identity (x + 0, x - 0, min(x, inf), or a value that another entry writes to
 the same place). A row that asks for nothing is a row of identities, and a
 batch where no row asks for anything returns its logits untouched.
+
+In a decode step, in batch order (nothing here waits on the device)::
+
+    rows = LogitsRows.from_params(params, vocab_size, tokenizer.eos_token_ids)  # on joins/leaves
+    history = history.extend(TokenHistory.from_prompts(prompts, sizes, vocab_size=V))  # joins
+    history = history.select(keep)                                                     # leaves
+    logits = apply(logits, history, rows)        # before the logsumexp, as mlx-lm's processors
+    tokens = sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True), ...)
+    history = history.append(tokens)             # every step, lazily
 """
 
 from __future__ import annotations
