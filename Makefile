@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed')
 
-.PHONY: install demo test lint unit bench soak clean
+.PHONY: install demo test lint unit bench bench-e2e soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: install
 
 bench: install
 	$(BIN)/python ops/bench_sampler.py
+
+# mlx-lm's BatchGenerator direct vs mlxq through Redis; ARGS="--shape 0.5b --json out.json".
+bench-e2e: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/bench_e2e.py $(ARGS)
 
 soak: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/soak.py
