@@ -31,6 +31,9 @@ DEFAULT_FAILURE_TTL = keys.DEFAULT_FAILURE_TTL
 #: past this, whatever a rogue record holds).
 MAX_REASON_BYTES = 64 * 1024
 
+#: Jobs per round trip in ``submit_many``.
+SUBMIT_SLICE = 256
+
 _STATUS = {
     "queued": "queued", "deferred": "queued", "scheduled": "queued", "created": "queued",
     "started": "started", "finished": "finished", "failed": "failed",
@@ -399,23 +402,34 @@ class Client:
             )
             for r in reqs
         ]
+        if self.max_queued is not None:
+            return self._enqueue_capped(datas, self.max_queued)
+        handles: list[Job] = []
+        # In slices, so a worker starts on the first jobs of a big sweep while the rest
+        # are still being sent.
+        for i in range(0, len(datas), SUBMIT_SLICE):
+            with self.redis.pipeline() as pipe:
+                rq_jobs = self._queue.enqueue_many(datas[i:i + SUBMIT_SLICE], pipeline=pipe)
+                pipe.execute()
+            handles += [Job(self, j.id) for j in rq_jobs]
+        return handles
+
+    def _enqueue_capped(self, datas: list[Any], cap: int) -> list[Job]:
         with self.redis.pipeline() as pipe:
             while True:
                 try:
-                    if self.max_queued is not None:
-                        # WATCH makes count-then-enqueue atomic across producers.
-                        pipe.watch(self._queue.key)
-                        queued = pipe.llen(self._queue.key)
-                        if queued + len(reqs) > self.max_queued:
-                            raise QueueFull(f"queue {self.queue_name!r} holds {queued} jobs "
-                                            f"(max_queued={self.max_queued})")
-                        pipe.multi()
+                    # WATCH makes count-then-enqueue atomic across producers.
+                    pipe.watch(self._queue.key)
+                    queued = pipe.llen(self._queue.key)
+                    if queued + len(datas) > cap:
+                        raise QueueFull(f"queue {self.queue_name!r} holds {queued} jobs "
+                                        f"(max_queued={cap})")
+                    pipe.multi()
                     rq_jobs = self._queue.enqueue_many(datas, pipeline=pipe)
                     pipe.execute()
-                    break
+                    return [Job(self, j.id) for j in rq_jobs]
                 except redis.WatchError:
                     continue
-        return [Job(self, j.id) for j in rq_jobs]
 
     def job(self, job_id: str) -> Job:
         """Re-attach to an existing job by id.
