@@ -35,3 +35,15 @@ class JobTimeout(MlxqError, TimeoutError):
 
 class NoSuchJob(MlxqError, LookupError):
     """No job with that id exists (never did, or its records expired)."""
+
+
+class InvalidRequest(PayloadError):
+    """An OpenAI-style request body is malformed; ``param`` names the field.
+
+    Attributes:
+        param: The body field at fault (``"messages[0].content"``, ``"max_tokens"``), or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,339 @@
+"""OpenAI completion request bodies -> checked :meth:`Client.submit` arguments.
+
+Where OpenAI documents a default, it is used (``temperature`` 1, ``max_tokens`` 16 for
+completions); chat's ``max_tokens`` defaults to mlxq's 256. ``max_completion_tokens`` wins
+over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM; ``user`` is kept in the job's
+metadata. Fields that need worker support this mlxq version lacks (see
+:func:`submit_supports`) are refused by name when set to anything but their neutral value.
+Unknown fields are ignored, with one warning per field name per process.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from mlxq.producer.client import Client, build_request
+from mlxq.producer.errors import InvalidRequest, PayloadError
+
+log = logging.getLogger("mlxq.openai")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+
+DEFAULT_TEMPERATURE = 1.0
+#: OpenAI's default for /v1/completions; chat has none, so mlxq's own applies.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 256
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_MODEL_CHARS = 128
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logit_bias")
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_OTHER = ("model", "max_tokens", "max_completion_tokens", "n", "logprobs", "user", "metadata")
+_COMMON = frozenset((*_SAMPLING, *_PENALTIES, *_OTHER, "stream", "stream_options"))
+_KNOWN = {CHAT: _COMMON | {"messages", "top_logprobs"}, COMPLETIONS: _COMMON | {"prompt"}}
+_warned: set[str] = set()
+# "name=value: why", as mlxq's payload checks word their errors.
+_PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.\w+)?)=")
+
+
+@cache
+def submit_supports(name: str) -> bool:
+    """Whether this version's :meth:`Client.submit` takes keyword ``name``."""
+    return name in inspect.signature(Client.submit).parameters
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}..."
+
+
+def _bad(name: str, value: Any, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{name}={_short(value)}: {why}", name)
+
+
+def _ignore(name: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("ignoring request field %r: mlxq does not support it", name)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """One checked completion request.
+
+    Attributes:
+        endpoint: :data:`CHAT` or :data:`COMPLETIONS`.
+        model: The queue that serves it.
+        submit: Keyword arguments for :meth:`Client.submit` / :meth:`AsyncClient.submit`.
+        stream: Answer with server-sent chunks.
+        include_usage: Streamed: end with a chunk carrying ``usage``.
+        n: Choices asked for.
+        logprobs: Return each token's log-probability.
+        top_logprobs: And this many alternatives per token.
+    """
+
+    endpoint: str
+    model: str
+    submit: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint={self.endpoint!r}: must be one of {ENDPOINTS}")
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == CHAT
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise _bad(name, v, "must be a boolean")
+    return bool(v)
+
+
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _bad(name, v, f"must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def _float(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise _bad(name, v, f"must be a number in [{lo:g}, {hi:g}]")
+    return float(v)
+
+
+def _content(i: int, value: Any) -> Any:
+    if value is None:
+        return ""
+    if not isinstance(value, list):
+        return value  # a string, or something the payload check names
+    texts: list[str] = []
+    for j, part in enumerate(value):
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, Mapping) else part
+            raise _bad(f"messages[{i}].content[{j}].type", kind, "only text parts are supported")
+        if not isinstance(text := part.get("text"), str):
+            raise _bad(f"messages[{i}].content[{j}].text", text, "must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _messages(value: Any) -> Any:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", value, "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise _bad(f"messages[{i}]", m, "must be an object with 'role' and 'content'")
+        for k in m:
+            if k not in ("role", "content"):
+                _ignore(f"messages[].{k}")
+        out.append({"role": m["role"], "content": _content(i, m.get("content"))})
+    return out
+
+
+def _prompt(value: Any) -> Any:
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise _bad("prompt", value, "send one prompt per request (a list of one string)")
+        value = value[0]
+    if not isinstance(value, str):
+        raise _bad("prompt", value, "must be a string (token-id prompts are not supported)")
+    return value
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, Mapping):
+        raise _bad("logit_bias", value, "must be an object of token id -> bias")
+    out = {}
+    for k, b in value.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", k, "keys must be token ids (integers)") from None
+        if tid < 0 or isinstance(b, bool) or not isinstance(b, (int, float)) or abs(b) > 100:
+            raise _bad(f"logit_bias[{k}]", b, "must be a number in [-100, 100] for id >= 0")
+        out[tid] = float(b)
+    return out
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """Chat's ``logprobs`` (bool) + ``top_logprobs``, or completions' integer ``logprobs``."""
+    if chat:
+        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if not _flag(body, "logprobs"):
+            if top:
+                raise _bad("top_logprobs", top, "needs logprobs=true")
+            return {}
+    else:
+        top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        if top is None:
+            return {}
+    return {"logprobs": True, "top_logprobs": top} if top else {"logprobs": True}
+
+
+def _extras(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """The fields that need worker support, at non-neutral values only.
+
+    Raises:
+        InvalidRequest: one is set but this version's ``submit`` lacks it.
+    """
+    n = _int(body, "n", 1, MAX_N) or 1
+    extra: dict[str, Any] = {"n": n} if n != 1 else {}
+    extra.update(_logprobs(body, chat))
+    for name in ("presence_penalty", "frequency_penalty"):
+        if (v := _float(body, name, -2.0, 2.0)) not in (None, 0.0):
+            extra[name] = v
+    if (rep := _float(body, "repetition_penalty", 0.0, 10.0)) not in (None, 1.0):
+        if rep == 0.0:
+            raise _bad("repetition_penalty", rep, "must be > 0")
+        extra["repetition_penalty"] = rep
+    if (bias := _logit_bias(body.get("logit_bias"))) is not None:
+        extra["logit_bias"] = bias
+    for name, v in extra.items():
+        if not submit_supports(name):
+            why = "not supported by this mlxq version (needs worker support)"
+            raise _bad(name, body.get(name, v), why)
+    return extra
+
+
+def _metadata(body: Mapping[str, Any]) -> Any:
+    metadata, user = body.get("metadata"), body.get("user")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise _bad("metadata", metadata, "must be an object")
+    if user is None:
+        return metadata
+    if not isinstance(user, str):
+        raise _bad("user", user, "must be a string")
+    if metadata is None:
+        return {"user": user}
+    return metadata if "user" in metadata else {**metadata, "user": user}
+
+
+def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise _bad("stream_options", opts, "only allowed when stream is true")
+    if not isinstance(opts, Mapping):
+        raise _bad("stream_options", opts, "must be an object")
+    for k in opts:
+        if k != "include_usage":
+            _ignore(f"stream_options.{k}")
+    return _flag(opts, "include_usage")
+
+
+def _max_tokens(body: Mapping[str, Any], chat: bool) -> tuple[str, int]:
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return name, body[name]
+    return "max_tokens", DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
+
+
+def _stop(value: Any) -> Any:
+    if value is None:
+        return ()
+    if not isinstance(value, (str, list)):
+        raise _bad("stop", value, "must be a string or a list of strings")
+    return value
+
+
+def _value(body: Mapping[str, Any], name: str, default: Any) -> Any:
+    v = body.get(name)
+    return default if v is None else v
+
+
+def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
+    """Check an OpenAI completion body and map it onto mlxq's submit arguments.
+
+    Args:
+        body: The decoded JSON body.
+        endpoint: :data:`CHAT` or :data:`COMPLETIONS`.
+
+    Returns:
+        The request; its ``submit`` map passes :meth:`Client.submit`'s checks.
+
+    Raises:
+        InvalidRequest: (a ``ValueError``) naming the field (``.param``) and what is wrong.
+    """
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint={endpoint!r}: must be one of {ENDPOINTS}")
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("the request body must be a JSON object")
+    chat = endpoint == CHAT
+    for k in body:
+        if k not in _KNOWN[endpoint]:
+            _ignore(str(k))
+    model = body.get("model")
+    if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS:
+        raise _bad("model", model, f"must name a queue: a string of 1 to {MAX_MODEL_CHARS} chars")
+    if chat:
+        if "messages" not in body:
+            raise InvalidRequest("messages: required", "messages")
+        source: dict[str, Any] = {"messages": _messages(body["messages"])}
+    else:
+        if "prompt" not in body:
+            raise InvalidRequest("prompt: required", "prompt")
+        source = {"prompt": _prompt(body["prompt"])}
+    tokens_name, max_tokens = _max_tokens(body, chat)
+    top_k = _value(body, "top_k", 0)
+    submit = {
+        **source,
+        "max_tokens": max_tokens,
+        "temperature": _value(body, "temperature", DEFAULT_TEMPERATURE),
+        "top_p": _value(body, "top_p", 1.0),
+        "top_k": 0 if top_k == -1 else top_k,
+        "min_p": _value(body, "min_p", 0.0),
+        "stop": _stop(body.get("stop")),
+        "seed": body.get("seed"),
+        "metadata": _metadata(body),
+    }
+    stream = _flag(body, "stream")
+    include_usage = _stream_options(body, stream)
+    extra = _extras(body, chat)
+    try:
+        build_request(**submit)
+    except PayloadError as e:
+        m = _PARAM_RE.match(str(e))
+        param = m.group(1) if m else None
+        if param == "max_tokens" and tokens_name != param:
+            message = str(e).replace("max_tokens", tokens_name, 1)
+            raise InvalidRequest(message, tokens_name) from None
+        raise InvalidRequest(str(e), param) from None
+    except (TypeError, ValueError) as e:  # a shape the checks above did not foresee
+        raise InvalidRequest(f"invalid request: {e}") from None
+    return OpenAIRequest(
+        endpoint,
+        model,
+        {**submit, **extra},
+        stream,
+        include_usage,
+        n=extra.get("n", 1),
+        logprobs="logprobs" in extra,
+        top_logprobs=extra.get("top_logprobs", 0),
+    )
