@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed')
+SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed' \
+	-o -name '*.html')
 
 .PHONY: install demo test lint unit bench bench-e2e soak clean
 
@@ -13,7 +14,7 @@ $(BIN)/python:
 # Dependencies once (and when pyproject changes), then this checkout as a regular
 # install, so tests exercise the package exactly as users get it.
 $(VENV)/.deps: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q '.[worker,dev]'
+	$(BIN)/python -m pip install -q '.[worker,serve,dev]'
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.deps $(SOURCES)

@@ -1,4 +1,4 @@
-"""The ``mlxq`` command: model, worker, submit, info."""
+"""The ``mlxq`` command: model, worker, submit, info, serve."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from mlxq.producer.client import DEFAULT_REDIS_URL, Client
 from mlxq.producer.errors import JobFailed, MlxqError
+from mlxq.producer.gateway import cli as gateway_cli
 from mlxq.worker import cli as worker_cli
 
 
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="queues and workers")
     i.add_argument("--json", action="store_true")
     _redis_url_arg(i)
+
+    gateway_cli.add_arguments(sub.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API and the dashboard"))
     return ap
 
 
@@ -90,7 +94,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"model": _cmd_model, "worker": _cmd_worker, "submit": _cmd_submit,
-               "info": _cmd_info}[args.command]
+               "info": _cmd_info, "serve": gateway_cli.run}[args.command]
     try:
         return handler(args)
     except JobFailed as e:

@@ -170,3 +170,67 @@ def start_worker(redis_server: RedisServer, tiny_model: Path, tmp_path: Path,
     yield start
     for w in started:
         w.stop()
+
+
+class GatewayProcess:
+    """``mlxq serve`` as a real process on a free port, with its log kept for failures."""
+
+    def __init__(self, redis_url: str, log: Path, **opts: object) -> None:
+        self.log, self.port = log, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ["--port", str(self.port), "--redis-url", redis_url]
+        for k, v in opts.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("MLXQ_API_KEY", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlxq.producer.cli", "serve", *args],
+                                     stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 30) -> GatewayProcess:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as res:
+                    if res.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"gateway not ready in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+GatewayFactory = Callable[..., GatewayProcess]
+
+
+@pytest.fixture
+def start_gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayFactory]:
+    """Start real gateways: ``start_gateway(api_key="k", max_queued=4)``."""
+    started: list[GatewayProcess] = []
+
+    def start(redis_url: str | None = None, **opts: object) -> GatewayProcess:
+        g = GatewayProcess(redis_url or redis_server.url, tmp_path / f"gateway{len(started)}.log",
+                           **opts)
+        started.append(g)
+        return g.wait_ready()
+
+    yield start
+    for g in started:
+        g.stop()

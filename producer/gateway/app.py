@@ -1,0 +1,80 @@
+"""The ASGI app of ``mlxq serve``: ``/v1`` (OpenAI), the dashboard, ``/health``, ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import redis
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from mlxq.producer.gateway import dashboard, openai_routes
+from mlxq.producer.gateway.config import GatewayConfig
+from mlxq.producer.gateway.errors import APIError, api_error_handler, http_error_handler
+from mlxq.producer.gateway.metrics import MetricsMiddleware
+from mlxq.producer.gateway.state import Gateway
+
+log = logging.getLogger("mlxq.gateway")
+
+
+async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("Redis: %s", exc)
+    return APIError(503, f"Redis is unavailable: {exc}", code="redis_unavailable").response()
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette logs the traceback after this answer; the client gets OpenAI's shape.
+    return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway app; run it with uvicorn (``mlxq serve`` does).
+
+    Args:
+        config: Where Redis is, the API key, the queue cap.
+    """
+    gw = Gateway(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(gw.sample_forever())
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            await gw.aclose()
+
+    app = FastAPI(title="mlxq", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+    app.add_middleware(MetricsMiddleware, metrics=gw.metrics)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(HTTPException, http_error_handler)
+    app.add_exception_handler(redis.RedisError, _redis_down)
+    app.add_exception_handler(Exception, _internal)
+    app.include_router(openai_routes.router)
+    app.include_router(dashboard.page_router)
+    app.include_router(dashboard.api_router)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while Redis answers, with the live workers counted; 503 otherwise."""
+        try:
+            await asyncio.to_thread(gw.redis.ping)
+            snap = await gw.snapshot(max_age=1.0)
+        except redis.RedisError as e:
+            return JSONResponse({"status": "error", "redis": str(e)}, status_code=503)
+        live = sum(1 for w in snap.workers if w.get("alive", True))
+        return JSONResponse({"status": "ok", "redis": "ok", "live_workers": live})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,71 @@
+"""``mlxq serve``'s arguments and entry; imports FastAPI and uvicorn only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from mlxq.producer.client import DEFAULT_REDIS_URL
+from mlxq.producer.gateway.config import DEFAULT_HOST, DEFAULT_PORT, GatewayConfig
+
+SERVE_INSTALL_HINT = "mlxq serve needs FastAPI and uvicorn: pip install 'mlxq[serve]'"
+#: Seconds open streams get on SIGTERM before they are cut (and their jobs canceled).
+GRACEFUL_S = 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``mlxq serve``'s options to ``p``."""
+    p.add_argument(
+        "--host", default=DEFAULT_HOST, help="address to listen on (default %(default)s)"
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("MLXQ_REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s)",
+    )
+    # The default is read from the environment but never shown: it is a secret.
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MLXQ_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and the dashboard's data "
+        "(default: $MLXQ_API_KEY; unset: no key needed)",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="answer 429 when a queue holds this many waiting jobs (default: no cap)",
+    )
+    p.add_argument("--log-level", default="info", help="(default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM."""
+    try:
+        import uvicorn
+
+        from mlxq.producer.gateway.app import create_app
+    except ImportError as e:
+        print(f"mlxq: {SERVE_INSTALL_HINT} ({e})", file=sys.stderr)
+        return 2
+    config = GatewayConfig(
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_queued=args.max_queued,
+    )
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_S,
+    )
+    return 0

@@ -1,0 +1,218 @@
+"""``/v1``: OpenAI's models, completions and chat completions over mlxq queues.
+
+``model`` names the queue. A completion is one job; streamed, its chunks are relayed as
+server-sent events as the worker makes them. A client that goes away cancels its job,
+streamed or not. Mid-stream failures end the stream with an error event (``code`` "504")
+and ``data: [DONE]``, since the 200 status has been sent. A worker lost mid-job makes
+mlxq run the job again from the start; text already streamed cannot be taken back, so
+the stream ends with such an error event then and the job is canceled (the client may
+retry); a non-streamed request just waits for the new attempt's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mlxq.producer import AsyncJob, JobFailed, PayloadError, QueueFull, Result
+from mlxq.producer.errors import InvalidRequest
+from mlxq.producer.gateway.auth import require_key
+from mlxq.producer.gateway.errors import APIError
+from mlxq.producer.gateway.state import Gateway
+from mlxq.producer.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    SSE_DONE,
+    ChunkFormatter,
+    OpenAIRequest,
+    completion_body,
+    error_body,
+    parse_request,
+    sse,
+)
+
+#: Largest request body read; mlxq's own prompt cap is a million characters.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+#: A status for requests whose client left before the answer (nginx's convention).
+CLIENT_GONE = 499
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+
+def _gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+def _model_entry(queue: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
+    models = sorted({str(w.get("model", "")) for w in workers} - {""})
+    births = [w["started_at"] for w in workers if w.get("started_at")]
+    return {
+        "id": queue,
+        "object": "model",
+        "created": int(min(births)) if births else 0,
+        "owned_by": "mlxq",
+        "root": ",".join(models),
+        "workers": len(workers),
+    }
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """The queues that have a live worker; ``root`` is the model path they serve."""
+    snap = await _gateway(request).snapshot(max_age=1.0)
+    return {"object": "list", "data": [_model_entry(q, ws) for q, ws in snap.served().items()]}
+
+
+@router.get("/models/{model:path}")
+async def get_model(request: Request, model: str) -> dict[str, Any]:
+    gw = _gateway(request)
+    await gw.client_for(model)  # 404 / 503 as for a completion
+    snap = await gw.snapshot(max_age=1.0)
+    return _model_entry(model, snap.serving(model))
+
+
+async def _json_body(request: Request) -> Any:
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        parts.append(part)
+    try:
+        return json.loads(b"".join(parts))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def _submit(gw: Gateway, req: OpenAIRequest) -> AsyncJob:
+    client = await gw.client_for(req.model)
+    try:
+        return await client.submit(**req.submit)
+    except QueueFull as e:
+        raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+    except InvalidRequest as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except PayloadError as e:  # the gateway's own client caps (max_tokens_cap)
+        raise APIError(400, str(e)) from None
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    return await _complete(request, COMPLETIONS)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, CHAT)
+
+
+async def _complete(request: Request, endpoint: str) -> Response:
+    gw = _gateway(request)
+    try:
+        req = parse_request(await _json_body(request), endpoint)
+    except InvalidRequest as e:
+        raise APIError(400, str(e), param=e.param) from None
+    job = await _submit(gw, req)
+    submitted, created = time.perf_counter(), int(time.time())
+    if req.stream:
+        return StreamingResponse(
+            _events(gw, req, job, created, submitted),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    result = await _result_unless_gone(request, gw, job)
+    if result is None:
+        return Response(status_code=CLIENT_GONE)
+    gw.metrics.e2e.labels(endpoint).observe(time.perf_counter() - submitted)
+    gw.metrics.completed(req.model, result.finish_reason, result.usage)
+    return JSONResponse(completion_body(req, job.id, result, created))
+
+
+async def _until_disconnect(request: Request) -> None:
+    # The body has been read, so the next message uvicorn delivers is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _result_unless_gone(request: Request, gw: Gateway, job: AsyncJob) -> Result | None:
+    """The job's result, or None (the job canceled) when the client left first.
+
+    Raises:
+        APIError: 504 when the job failed.
+    """
+    result = asyncio.ensure_future(job.result())
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (result, gone):
+            if not t.done():
+                t.cancel()
+    if not result.done() or result.cancelled():
+        await job.cancel()
+        gw.metrics.canceled.labels("client_disconnected").inc()
+        return None
+    try:
+        return result.result()
+    except JobFailed as e:
+        raise APIError(504, str(e), "server_error", code="job_failed") from None
+
+
+def _stream_error(message: str) -> str:
+    return sse(error_body(message, "server_error", None, "504"))
+
+
+async def _events(
+    gw: Gateway, req: OpenAIRequest, job: AsyncJob, created: int, submitted: float
+) -> AsyncIterator[str]:
+    """The SSE body of one streamed completion."""
+    fmt = ChunkFormatter(req, job.id, created)
+    endpoint = req.endpoint
+    ended, first, cut = False, True, "client_disconnected"
+    gw.metrics.streams.inc()
+    try:
+        for obj in fmt.head():
+            yield sse(obj)
+        async for c in job.stream():
+            if c.kind == "reset":
+                cut = "restarted"
+                yield _stream_error(
+                    f"job {job.id} was restarted after its worker was lost; "
+                    "the text streamed so far is void: retry the request"
+                )
+                break
+            if c.final and c.finish_reason not in ("stop", "length"):
+                ended = True
+                yield _stream_error(f"job {job.id} ended: {c.finish_reason}")
+                break
+            if first and c.text:
+                first = False
+                gw.metrics.ttft.labels(endpoint).observe(time.perf_counter() - submitted)
+            for obj in fmt.chunk(c):
+                yield sse(obj)
+            if c.final:
+                ended = True
+                gw.metrics.e2e.labels(endpoint).observe(time.perf_counter() - submitted)
+                gw.metrics.completed(req.model, str(c.finish_reason), c.usage)
+                for obj in fmt.usage(c.usage):
+                    yield sse(obj)
+    except JobFailed as e:
+        ended = True
+        yield _stream_error(str(e))
+    finally:
+        gw.metrics.streams.dec()
+        if not ended:
+            # Cut off (the client left, or a restart voided the stream): nobody will read
+            # the rest. Shielded, as a disconnect arrives as this task's cancellation.
+            with anyio.CancelScope(shield=True):
+                await job.cancel()
+            gw.metrics.canceled.labels(cut).inc()
+    yield SSE_DONE

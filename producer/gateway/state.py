@@ -1,0 +1,222 @@
+"""What one gateway process holds: a client per queue, and a cached view of the workers.
+
+The view is :func:`mlxq.producer.info.collect`'s document, re-read at most every
+``sample_s`` by a background task and on demand when a request needs fresher news (a
+model nobody served a moment ago). Every request shares that read instead of asking
+Redis who serves what on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq import Queue, Worker
+
+from mlxq.producer import keys
+from mlxq.producer.aio import AsyncClient
+from mlxq.producer.codec import MsgpackSerializer
+from mlxq.producer.gateway.config import GatewayConfig
+from mlxq.producer.gateway.errors import APIError
+from mlxq.producer.gateway.metrics import Metrics
+from mlxq.producer.info import collect
+
+log = logging.getLogger("mlxq.gateway")
+
+#: Worker counters arrive every few seconds (5 s while busy): rates span this window.
+RATE_WINDOW_S = 10.0
+
+
+def _live(w: dict[str, Any]) -> bool:
+    return bool(w.get("alive", True))
+
+
+def _queues_of(w: dict[str, Any]) -> list[str]:
+    return [q for q in str(w.get("queue", "")).split(",") if q]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Queues and workers as read at ``at`` (monotonic seconds)."""
+
+    at: float
+    queues: dict[str, dict[str, int]]
+    workers: list[dict[str, Any]]
+
+    def serving(self, queue: str) -> list[dict[str, Any]]:
+        """The live workers that serve ``queue``."""
+        return [w for w in self.workers if _live(w) and queue in _queues_of(w)]
+
+    def served(self) -> dict[str, list[dict[str, Any]]]:
+        """Each queue that has a live worker, with those workers."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for w in self.workers:
+            if _live(w):
+                for q in _queues_of(w):
+                    out.setdefault(q, []).append(w)
+        return dict(sorted(out.items()))
+
+    def knows(self, queue: str) -> bool:
+        return queue in self.queues or any(queue in _queues_of(w) for w in self.workers)
+
+
+class Rates:
+    """Tokens per second per worker, from successive reads of its ``tokens_generated``."""
+
+    def __init__(self, history_s: float) -> None:
+        self._seen: dict[str, deque[tuple[float, int]]] = {}
+        self.history: deque[tuple[float, float]] = deque()  # (unix time, tok/s of all)
+        self.history_s = history_s
+
+    def observe(self, at: float, workers: list[dict[str, Any]]) -> None:
+        for w in workers:
+            seen = self._seen.setdefault(w["name"], deque())
+            tokens = int(w.get("tokens_generated", 0))
+            if seen and tokens < seen[-1][1]:
+                seen.clear()  # the counter went back: a new process under the same name
+            seen.append((at, tokens))
+            while len(seen) > 2 and at - seen[1][0] >= RATE_WINDOW_S:
+                seen.popleft()
+        names = {w["name"] for w in workers}
+        for gone in set(self._seen) - names:
+            del self._seen[gone]
+
+    def rate(self, name: str) -> float:
+        seen = self._seen.get(name)
+        if not seen or len(seen) < 2 or seen[-1][0] <= seen[0][0]:
+            return 0.0
+        return (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
+
+    def record(self, workers: list[dict[str, Any]]) -> None:
+        now = time.time()
+        self.history.append((now, sum(self.rate(w["name"]) for w in workers if _live(w))))
+        while self.history and now - self.history[0][0] > self.history_s:
+            self.history.popleft()
+
+
+class Gateway:
+    """The clients, the worker view and the metrics one app shares across requests."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.redis = redis.Redis.from_url(config.redis_url)
+        self.metrics = Metrics()
+        self.rates = Rates(config.history_s)
+        self._clients: dict[str, AsyncClient] = {}
+        self._snap: Snapshot | None = None
+        self._lock = asyncio.Lock()
+        self._births: dict[str, float] = {}
+
+    def client(self, queue: str) -> AsyncClient:
+        """The one client of ``queue``, made on first use."""
+        if queue not in self._clients:
+            self._clients[queue] = AsyncClient(
+                self.config.redis_url, queue=queue, max_queued=self.config.max_queued
+            )
+        return self._clients[queue]
+
+    async def client_for(self, model: str) -> AsyncClient:
+        """The client of the queue named ``model``, if a live worker serves it.
+
+        Raises:
+            APIError: 404 when no such queue exists, 503 when it has no live worker.
+        """
+        snap = await self.snapshot(max_age=self.config.sample_s)
+        if not snap.serving(model):
+            snap = await self.snapshot(max_age=0.25)  # news may be a moment old
+        if snap.serving(model):
+            return self.client(model)
+        if snap.knows(model) or await asyncio.to_thread(self._known, model):
+            raise APIError(
+                503,
+                f"no live worker serves the model {model!r}: start one with "
+                f"'mlxq worker --queue {model} --model PATH'",
+                "server_error",
+                param="model",
+                code="model_unavailable",
+            )
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist: no mlxq queue of that name",
+            param="model",
+            code="model_not_found",
+        )
+
+    def _known(self, queue: str) -> bool:
+        """Whether rq knows the queue, or an mlxq worker ever served it."""
+        with self.redis.pipeline(transaction=False) as p:
+            p.sismember(Queue.redis_queues_keys, Queue.redis_queue_namespace_prefix + queue)
+            p.exists(keys.workers_key(queue))
+            return any(p.execute())
+
+    async def snapshot(self, max_age: float) -> Snapshot:
+        """The worker view, re-read when older than ``max_age`` seconds."""
+        snap = self._snap
+        if snap is not None and time.monotonic() - snap.at <= max_age:
+            return snap
+        async with self._lock:  # one read serves every request waiting on it
+            snap = self._snap
+            if snap is not None and time.monotonic() - snap.at <= max_age:
+                return snap
+            doc = await asyncio.to_thread(self._read)
+            snap = Snapshot(time.monotonic(), doc["queues"], doc["workers"])
+            self.rates.observe(snap.at, snap.workers)
+            self._snap = snap
+            return snap
+
+    def _read(self) -> dict[str, Any]:
+        doc = collect(self.redis)
+        for w in doc["workers"]:
+            w["started_at"] = self._birth(w["name"])
+        return doc
+
+    def _birth(self, name: str) -> float | None:
+        if name not in self._births:
+            key = Worker.redis_worker_namespace_prefix + name
+            found = Worker.find_by_key(key, connection=self.redis, serializer=MsgpackSerializer)
+            if found is None or found.birth_date is None:
+                return None
+            self._births[name] = found.birth_date.timestamp()
+        return self._births[name]
+
+    async def sample_forever(self) -> None:
+        """Read the workers every ``sample_s`` and keep the tok/s history (a task)."""
+        while True:
+            try:
+                snap = await self.snapshot(max_age=0.0)
+                self.rates.record(snap.workers)
+            except redis.RedisError as e:
+                log.warning("reading the workers' counters failed: %s", e)
+            await asyncio.sleep(self.config.sample_s)
+
+    def workers_view(self, snap: Snapshot) -> list[dict[str, Any]]:
+        """The dashboard's rows: each worker with its tok/s, vectorized share and uptime."""
+        now = time.time()
+        rows = []
+        for w in snap.workers:
+            steps = int(w.get("decode_steps", 0))
+            started = w.get("started_at")
+            rows.append(
+                {
+                    **{k: w.get(k) for k in ("name", "queue", "model", "state", "max_batch")},
+                    "alive": _live(w),
+                    "batch": int(w.get("running", 0)),
+                    "tok_s": round(self.rates.rate(w["name"]), 1),
+                    "vectorized_share": (int(w.get("vectorized_steps", 0)) / steps)
+                    if steps
+                    else None,
+                    "tokens_generated": int(w.get("tokens_generated", 0)),
+                    "uptime_s": None if started is None else max(0.0, now - started),
+                }
+            )
+        return rows
+
+    async def aclose(self) -> None:
+        for c in self._clients.values():
+            await c.aclose()
+        self.redis.close()

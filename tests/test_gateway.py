@@ -1,0 +1,605 @@
+"""``mlxq serve`` end to end: the official ``openai`` client against a real gateway process
+and real workers on the tiny model. Nothing is mocked.
+
+Most tests share one worker and one gateway (module-scoped: starting them is most of the
+cost); the tests that need a worker or gateway configured their own way start theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from conftest import GatewayProcess, RedisServer, WorkerProcess
+
+from mlxq.producer import Client
+from mlxq.producer.info import collect
+from mlxq.producer.listing import recent_jobs
+from mlxq.producer.openai_api import submit_supports
+
+pytestmark = pytest.mark.e2e
+
+# Seeded, so the random tiny model never ends it early: it runs for seconds.
+LONG = dict(max_tokens=2000, temperature=1.0, seed=5)
+
+
+def needs(feature: str) -> None:
+    """Skip until this mlxq version's submit takes ``feature`` (so the worker supports it)."""
+    if not submit_supports(feature):
+        pytest.skip(f"needs worker support for {feature}")
+
+
+def _job_id(completion_id: str) -> str:
+    return completion_id.split("-", 1)[1]
+
+
+def _wait_terminal(client: Client, job_id: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while (st := client.job(job_id).status()) not in ("finished", "failed", "canceled"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} still {st} after {timeout} s")
+        time.sleep(0.02)
+    return st
+
+
+# -- shared worker and gateways -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def queue() -> str:
+    return f"gw-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def worker(
+    redis_server: RedisServer,
+    tiny_model: Path,
+    queue: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerProcess]:
+    log = tmp_path_factory.mktemp("gw-worker") / "worker.log"
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    w = WorkerProcess(
+        [
+            "--model",
+            str(tiny_model),
+            "--redis-url",
+            redis_server.url,
+            "--queue",
+            queue,
+            "--name",
+            name,
+        ],
+        log,
+        redis_server.url,
+        queue,
+        name,
+    )
+    w.wait_ready()
+    # Ready for rq at once; its counters (and so its model) follow within a second.
+    deadline = time.monotonic() + 30
+    while not any(x["name"] == name and x["model"] for x in collect(w.redis)["workers"]):
+        assert time.monotonic() < deadline, "the worker never published its model"
+        time.sleep(0.05)
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def gateways(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory, worker: WorkerProcess
+) -> Iterator[dict[str, GatewayProcess]]:
+    """One open gateway, and one that needs an API key."""
+    logs = tmp_path_factory.mktemp("gw")
+    started = {
+        "open": GatewayProcess(redis_server.url, logs / "open.log"),
+        "keyed": GatewayProcess(redis_server.url, logs / "keyed.log", api_key="k-123"),
+    }
+    try:
+        yield {k: g.wait_ready() for k, g in started.items()}
+    finally:
+        for g in started.values():
+            g.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(gateways: dict[str, GatewayProcess]) -> GatewayProcess:
+    return gateways["open"]
+
+
+@pytest.fixture(scope="module")
+def oai(gw: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def mlxq(redis_server: RedisServer, queue: str) -> Client:
+    return Client(redis_server.url, queue=queue)
+
+
+# -- models, completions, chat --------------------------------------------------------------
+
+
+def test_models_lists_each_served_queue_with_its_model(oai, queue, tiny_model):
+    models = {m.id: m for m in oai.models.list()}
+    assert models[queue].root == str(tiny_model)
+    assert models[queue].owned_by == "mlxq" and models[queue].workers == 1
+    assert oai.models.retrieve(queue).id == queue
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve(f"no-such-{uuid.uuid4().hex[:6]}")
+
+
+def test_completion_is_the_jobs_greedy_text(oai, mlxq, queue):
+    expected = mlxq.submit("The cat sat", max_tokens=10).result(timeout=60)
+    res = oai.completions.create(model=queue, prompt="The cat sat", max_tokens=10, temperature=0)
+    assert res.object == "text_completion" and res.id.startswith("cmpl-")
+    assert res.model == queue
+    assert res.choices[0].text == expected.text
+    assert res.choices[0].finish_reason == expected.finish_reason
+    assert res.usage.completion_tokens == expected.usage["completion_tokens"]
+    assert res.usage.prompt_tokens == expected.usage["prompt_tokens"]
+    assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
+    assert mlxq.job(_job_id(res.id)).result().text == expected.text
+
+
+def test_chat_is_the_jobs_greedy_text(oai, mlxq, queue):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = mlxq.submit(messages=messages, max_tokens=10).result(timeout=60)
+    res = oai.chat.completions.create(model=queue, messages=messages, max_tokens=10, temperature=0)
+    assert res.object == "chat.completion" and res.id.startswith("chatcmpl-")
+    assert res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == expected.text
+    assert res.usage.completion_tokens == expected.usage["completion_tokens"]
+    # Text parts are joined, as OpenAI's content arrays allow.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert (
+        oai.chat.completions.create(model=queue, messages=parts, max_tokens=6, temperature=0)
+        .choices[0]
+        .message.content
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_text_equals_the_non_streamed_greedy_text(oai, queue, endpoint):
+    def call(**kw: Any) -> Any:
+        if endpoint == "chat":
+            return oai.chat.completions.create(
+                model=queue,
+                messages=[{"role": "user", "content": "Tell me a story"}],
+                max_tokens=24,
+                temperature=0,
+                **kw,
+            )
+        return oai.completions.create(
+            model=queue, prompt="Once upon a time", max_tokens=24, temperature=0, **kw
+        )
+
+    whole = call()
+    chunks = list(call(stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    if endpoint == "chat":
+        assert pieces[0].delta.role == "assistant"
+        text = "".join(p.delta.content or "" for p in pieces)
+        want = whole.choices[0].message.content
+    else:
+        text, want = "".join(p.text for p in pieces), whole.choices[0].text
+    assert text == want
+    assert pieces[-1].finish_reason == whole.choices[0].finish_reason
+    assert all(p.finish_reason is None for p in pieces[:-1])
+    assert len({c.id for c in chunks}) == 1
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
+    assert usage_chunks[0].usage.completion_tokens == whole.usage.completion_tokens
+    assert usage_chunks[0].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_usage_is_streamed_only_when_asked(oai, queue):
+    chunks = list(
+        oai.completions.create(
+            model=queue, prompt="Hello", max_tokens=5, temperature=0, stream=True
+        )
+    )
+    assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def test_stop_seed_and_sampling_fields_reach_the_job(oai, queue):
+    kw: dict[str, Any] = dict(model=queue, prompt="A list of things:", max_tokens=16)
+    seeded = [
+        oai.completions.create(
+            **kw, temperature=1.0, top_p=0.9, seed=42, extra_body={"top_k": 40, "min_p": 0.05}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+    full = oai.completions.create(**kw, temperature=0).choices[0]
+    assert full.finish_reason == "length" and len(full.text) > 4
+    stop = full.text[len(full.text) // 2 :][:2]
+    cut = oai.completions.create(**kw, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    # max_completion_tokens wins over max_tokens, as OpenAI documents.
+    res = oai.chat.completions.create(
+        model=queue,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=9,
+        max_completion_tokens=3,
+        temperature=0,
+    )
+    assert res.usage.completion_tokens <= 3
+
+
+# -- the fields that need worker support -----------------------------------------------------
+
+
+def test_logprobs_chat_and_completions(oai, queue):
+    needs("logprobs")
+    chat = oai.chat.completions.create(
+        model=queue,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.logprob == pytest.approx(max(a.logprob for a in t.top_logprobs))  # greedy
+    comp = oai.completions.create(model=queue, prompt="x", max_tokens=6, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == comp.choices[0].text
+    streamed = [
+        c.choices[0].logprobs
+        for c in oai.chat.completions.create(
+            model=queue,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            stream=True,
+        )
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert [t.token for s in streamed for t in s.content] == [t.token for t in content]
+
+
+def test_n_choices(oai, queue):
+    needs("n")
+    res = oai.completions.create(
+        model=queue, prompt="Say", max_tokens=8, temperature=1.0, seed=3, n=3
+    )
+    assert sorted(c.index for c in res.choices) == [0, 1, 2]
+    chunks = list(
+        oai.completions.create(
+            model=queue, prompt="Say", max_tokens=8, temperature=1.0, seed=3, n=3, stream=True
+        )
+    )
+    for i in range(3):
+        text = "".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+        assert text == next(c.text for c in res.choices if c.index == i)
+
+
+def test_penalties_and_logit_bias(oai, queue):
+    needs("logit_bias")
+    needs("repetition_penalty")
+    kw: dict[str, Any] = dict(model=queue, max_tokens=8, temperature=0)
+    forced = [
+        oai.completions.create(**kw, prompt=p, logit_bias={"7": 100}).choices[0].text
+        for p in ("one prompt", "another prompt")
+    ]
+    assert forced[0] == forced[1]  # token 7 every step, whatever the prompt
+    plain = oai.completions.create(**kw, prompt="la la la").choices[0].text
+    penal = (
+        oai.completions.create(
+            **kw,
+            prompt="la la la",
+            presence_penalty=2.0,
+            frequency_penalty=2.0,
+            extra_body={"repetition_penalty": 2.0},
+        )
+        .choices[0]
+        .text
+    )
+    assert isinstance(plain, str) and isinstance(penal, str)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stop=[""]), "stop"),
+        (dict(extra_body={"stop": 5}), "stop"),
+        (dict(seed=-2), "seed"),
+        (dict(n=0), "n"),
+        (dict(presence_penalty=5), "presence_penalty"),
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(extra_body={"top_k": "many"}), "top_k"),
+        (dict(extra_body={"min_p": 2}), "min_p"),
+        (dict(extra_body={"repetition_penalty": -1}), "repetition_penalty"),
+        (dict(extra_body={"metadata": "not a map"}), "metadata"),
+        (
+            dict(stream=False, extra_body={"stream_options": {"include_usage": True}}),
+            "stream_options",
+        ),
+        (dict(prompt=["two", "prompts"]), "prompt"),
+        (dict(prompt=""), "prompt"),
+    ],
+)
+def test_invalid_fields_are_400_naming_the_field(oai, queue, kw, param):
+    args = dict(model=queue, prompt="hi", max_tokens=4) | kw
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(**args)
+    assert e.value.status_code == 400
+    assert e.value.param == param and param in e.value.message
+    assert e.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "messages[0].content[0].type",
+        ),
+    ],
+)
+def test_invalid_messages_are_400_naming_the_field(oai, queue, messages, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=queue, messages=messages, max_tokens=4)
+    assert e.value.param == param
+
+
+def test_bad_json_and_missing_fields_are_400(gw, queue):
+    for body, param in (
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (json.dumps({"model": queue}).encode(), "messages"),
+        (json.dumps({"messages": []}).encode(), "model"),
+    ):
+        req = urllib.request.Request(f"{gw.url}/v1/chat/completions", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and set(err) == {"message", "type", "param", "code"}
+        assert err["param"] == param
+
+
+def test_unknown_fields_are_ignored_with_one_warning(oai, gw, queue):
+    for _ in range(2):
+        oai.completions.create(
+            model=queue, prompt="hi", max_tokens=2, extra_body={"frobnicate_level": 3}
+        )
+    assert gw.output().count("'frobnicate_level'") == 1
+
+
+def test_unknown_model_is_404_and_unserved_queue_is_503(oai, redis_server):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model=f"no-such-{uuid.uuid4().hex[:6]}", prompt="x")
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    unserved = f"unserved-{uuid.uuid4().hex[:6]}"
+    waiting = Client(redis_server.url, queue=unserved).submit("nobody serves me", max_tokens=2)
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            oai.completions.create(model=unserved, prompt="x")
+        assert e.value.status_code == 503 and e.value.code == "model_unavailable"
+    finally:
+        waiting.cancel()
+
+
+def test_api_key(gateways, queue):
+    url = f"{gateways['keyed'].url}/v1"
+    for key in ("wrong", "k-12", "k-1234", "K-123"):
+        bad = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=queue, prompt="x", max_tokens=2)
+    good = openai.OpenAI(base_url=url, api_key="k-123", max_retries=0)
+    assert good.completions.create(model=queue, prompt="x", max_tokens=2).choices
+    for path in ("/dashboard/api/state", "/v1/models"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{gateways['keyed'].url}{path}", timeout=30)
+        assert e.value.code == 401
+    for path in ("/health", "/metrics", "/"):  # no secrets there
+        assert urllib.request.urlopen(f"{gateways['keyed'].url}{path}", timeout=30).status == 200
+
+
+# -- a worker of its own: one job at a time, and a template that refuses tool turns ----------
+
+
+@pytest.fixture
+def strict_model(tiny_model: Path, tmp_path: Path) -> Path:
+    strict = tmp_path / "strict"
+    shutil.copytree(tiny_model, strict)
+    cfg_path = strict / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('tool turns are not supported') }}"
+        "{% endif %}{% endfor %}" + cfg["chat_template"]
+    )
+    cfg_path.write_text(json.dumps(cfg))
+    return strict
+
+
+def test_full_queue_is_429_and_failed_jobs_are_504(
+    start_worker, start_gateway, strict_model, queue_name, redis_server
+):
+    start_worker(model=strict_model, max_batch=1, window_ms=0)
+    capped = start_gateway(max_queued=1)
+    oai = openai.OpenAI(base_url=f"{capped.url}/v1", api_key="x", max_retries=0, timeout=60)
+    client = Client(redis_server.url, queue=queue_name)
+    bad = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]
+
+    with pytest.raises(openai.InternalServerError) as e:
+        oai.chat.completions.create(model=queue_name, messages=bad, max_tokens=4)
+    assert e.value.status_code == 504 and "tool turns are not supported" in e.value.message
+    with pytest.raises(openai.APIError) as e:
+        for _ in oai.chat.completions.create(
+            model=queue_name, messages=bad, max_tokens=4, stream=True
+        ):
+            pass
+    assert e.value.code == "504" and "tool turns are not supported" in e.value.message
+
+    # The worker runs one job at a time, so while a long one runs the next one waits.
+    blocker = client.submit("runs a while", **LONG)
+    next(iter(blocker.stream(timeout=60)))
+    waiting = client.submit("waits", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as e:
+        oai.completions.create(model=queue_name, prompt="one too many", max_tokens=2)
+    assert e.value.status_code == 429 and e.value.code == "queue_full"
+    assert e.value.response.headers["retry-after"] == "1"
+    assert blocker.status() == "started" and waiting.status() == "queued"  # held throughout
+
+    # A job canceled mid-stream by someone else ends the stream with an error event.
+    waiting.cancel()
+    blocker.cancel()
+    stream = oai.completions.create(model=queue_name, prompt="long", stream=True, **LONG)
+    first = next(iter(stream))
+    client.job(_job_id(first.id)).cancel()
+    with pytest.raises(openai.APIError) as e:
+        for _ in stream:
+            pass
+    assert e.value.code == "504" and "canceled" in e.value.message
+
+
+# -- clients that go away -----------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_cancels_the_job(oai, mlxq, queue):
+    stream = oai.completions.create(model=queue, prompt="a long one", stream=True, **LONG)
+    chunks = iter(stream)
+    first = next(chunks)
+    job_id = _job_id(first.id)
+    assert mlxq.job(job_id).status() == "started"
+    stream.close()  # drops the connection
+    assert _wait_terminal(mlxq, job_id) == "canceled"
+    res = list(mlxq.job(job_id).stream(timeout=10))
+    assert res[-1].finish_reason == "canceled"
+    assert sum(len(c.token_ids) for c in res) < LONG["max_tokens"]
+
+
+def test_disconnect_before_a_non_streamed_answer_cancels_the_job(gw, mlxq, queue, r):
+    body = json.dumps({"model": queue, "prompt": "a long one", **LONG}).encode()
+    sock = socket.create_connection(("127.0.0.1", gw.port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    deadline = time.monotonic() + 30
+    while not (running := recent_jobs(r, queue=queue, status="started")):
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.02)
+    sock.close()
+    assert _wait_terminal(mlxq, running[0]["id"]) == "canceled"
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+
+def test_200_concurrent_streams_all_finish_with_nothing_lost(gw, mlxq, queue):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, str | None, int]:
+        stream = await client.chat.completions.create(
+            model=queue,
+            messages=[{"role": "user", "content": f"Count to {i}"}],
+            max_tokens=4,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, reason, used, cid = "", None, -1, ""
+        async for c in stream:
+            cid = c.id
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                reason = c.choices[0].finish_reason or reason
+            if c.usage:
+                used = c.usage.completion_tokens
+        return cid, text, reason, used
+
+    async def run() -> list[tuple[str, str, str | None, int]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=120
+        ) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    results = asyncio.run(run())
+    assert len({cid for cid, *_ in results}) == 200
+    for cid, text, reason, used in results:
+        job = mlxq.job(_job_id(cid)).result(timeout=10)
+        assert text == job.text and reason == job.finish_reason
+        assert used == job.usage["completion_tokens"] > 0
+
+
+# -- health and metrics ---------------------------------------------------------------------------
+
+
+def test_health_and_metrics(gw, oai, queue):
+    with urllib.request.urlopen(f"{gw.url}/health", timeout=30) as res:
+        health = json.loads(res.read())
+    assert health["status"] == "ok" and health["redis"] == "ok" and health["live_workers"] >= 1
+    oai.completions.create(model=queue, prompt="m", max_tokens=2)
+    list(oai.completions.create(model=queue, prompt="m", max_tokens=2, stream=True))
+    with urllib.request.urlopen(f"{gw.url}/metrics", timeout=30) as res:
+        text = res.read().decode()
+    assert 'mlxq_gateway_requests_total{method="POST",route="/v1/completions",status="200"}' in text
+    for name in (
+        "mlxq_gateway_request_duration_seconds_bucket",
+        "mlxq_gateway_time_to_first_token_seconds_count",
+        "mlxq_gateway_e2e_request_latency_seconds_count",
+        "mlxq_gateway_generation_tokens_total",
+        "mlxq_gateway_streams_open",
+    ):
+        assert name in text
+
+
+def test_health_is_503_without_redis(tmp_path):
+    dead = RedisServer(tmp_path)
+    g = GatewayProcess(dead.url, tmp_path / "g.log")
+    try:
+        g.wait_ready()
+        dead.stop()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{g.url}/health", timeout=30)
+        assert e.value.code == 503
+    finally:
+        g.stop()
+        dead.stop()
+
+
+def test_serve_refuses_a_bad_cap():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxq.producer.cli", "serve", "--max-queued", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "max_queued=0" in out.stderr
