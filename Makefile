@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed' \
 	-o -name '*.html')
 
-.PHONY: install demo test lint unit bench bench-e2e soak clean
+.PHONY: install browser demo test lint unit bench bench-e2e soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,16 @@ lint: install
 	$(BIN)/ruff check producer worker batching tests ops
 	cd $(VENV) && bin/mypy --config-file ../pyproject.toml -p mlxq.producer -p mlxq.batching -p mlxq.worker
 
-test: install lint
+# Debian's Chromium for the dashboard's browser test (Playwright drives it; it
+# downloads no browser of its own). Installed only where apt-get exists.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else echo "no /usr/bin/chromium and no root apt-get: the dashboard's browser test will skip"; \
+	fi
+
+test: install lint browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: install
