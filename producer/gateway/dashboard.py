@@ -45,7 +45,7 @@ async def page() -> HTMLResponse:
 @api_router.get("/state")
 async def state(request: Request) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
-    snap = await gw.snapshot(max_age=1.0)
+    snap = await gw.snapshot(max_age=0.5)  # the page polls each second
     jobs = await asyncio.to_thread(recent_jobs, gw.redis, None, None, JOBS_SHOWN)
     return {
         "now": time.time(),
