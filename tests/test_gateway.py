@@ -8,9 +8,13 @@ cost); the tests that need a worker or gateway configured their own way start th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -518,6 +522,25 @@ def test_disconnect_before_a_non_streamed_answer_cancels_the_job(gw, mlxq, queue
     assert _wait_terminal(mlxq, running[0]["id"]) == "canceled"
 
 
+def test_worker_lost_mid_stream_ends_the_stream_and_cancels_the_rerun(
+    start_worker, start_gateway, queue_name, redis_server
+):
+    first = start_worker(window_ms=0)
+    g = start_gateway()
+    oai = openai.OpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0, timeout=60)
+    stream = oai.completions.create(model=queue_name, prompt="long", stream=True, **LONG)
+    chunks = iter(stream)
+    job_id = _job_id(next(chunks).id)
+    first.proc.kill()  # no goodbye: its job is requeued by the next worker
+    first.proc.wait()
+    start_worker(window_ms=0)
+    with pytest.raises(openai.APIError) as e:
+        for _ in chunks:
+            pass
+    assert e.value.code == "504" and "restarted" in e.value.message
+    assert _wait_terminal(Client(redis_server.url, queue=queue_name), job_id) == "canceled"
+
+
 # -- load -----------------------------------------------------------------------------------------
 
 
@@ -554,6 +577,89 @@ def test_200_concurrent_streams_all_finish_with_nothing_lost(gw, mlxq, queue):
         job = mlxq.job(_job_id(cid)).result(timeout=10)
         assert text == job.text and reason == job.finish_reason
         assert used == job.usage["completion_tokens"] > 0
+
+
+# -- the examples in ops/examples ---------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "ops" / "examples"
+
+
+@contextlib.contextmanager
+def _example(module: str, log: Path, **env: str) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(EXAMPLES),
+            f"{module}:app",
+            "--port",
+            str(port),
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, **env),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                urllib.request.urlopen(f"{url}/", timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _sse_events(url: str, data: bytes | None = None) -> list[tuple[str, dict[str, Any]]]:
+    with urllib.request.urlopen(url, data=data, timeout=60) as res:
+        body = res.read().decode()
+    out = []
+    for block in body.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in fields:
+            out.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return out
+
+
+def test_example_backend_relays_a_job_to_the_browser(redis_server, worker, queue, mlxq, tmp_path):
+    with _example(
+        "web_backend", tmp_path / "ex.log", MLXQ_REDIS_URL=redis_server.url, MLXQ_QUEUE=queue
+    ) as url:
+        req = urllib.request.Request(
+            f"{url}/jobs",
+            method="POST",
+            data=json.dumps({"prompt": "hi", "max_tokens": 12}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as res:
+            job_id = json.loads(res.read())["job_id"]
+        events = _sse_events(f"{url}/jobs/{job_id}/stream")
+        again = _sse_events(f"{url}/jobs/{job_id}/stream")  # replayed after the end
+    result = mlxq.job(job_id).result(timeout=10)
+    assert "".join(d["text"] for e, d in events if e == "text") == result.text
+    assert events[-1] == ("end", {"finish_reason": result.finish_reason, "usage": result.usage})
+    assert again == events
+
+
+def test_example_openai_backend_relays_through_the_gateway(gw, queue, tmp_path):
+    with _example(
+        "web_backend_openai", tmp_path / "ex.log", MLXQ_GATEWAY_URL=f"{gw.url}/v1", MLXQ_QUEUE=queue
+    ) as url:
+        events = _sse_events(f"{url}/ask?prompt=hello&max_tokens=12")
+    assert [e for e, _ in events if e != "text"] == ["end"]
+    assert events[-1][1]["finish_reason"] in ("stop", "length")
+    assert "".join(d["text"] for e, d in events if e == "text")
 
 
 # -- health and metrics ---------------------------------------------------------------------------
@@ -593,9 +699,6 @@ def test_health_is_503_without_redis(tmp_path):
 
 
 def test_serve_refuses_a_bad_cap():
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-m", "mlxq.producer.cli", "serve", "--max-queued", "0"],
         capture_output=True,
