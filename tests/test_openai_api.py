@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -23,6 +25,24 @@ from mlxq.producer.openai_api import (
 )
 
 MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_gateway_imports_no_mlx():
+    code = (
+        "import sys, mlxq.producer.gateway.app, mlxq.producer.openai_api, mlxq.producer.listing; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_serve_without_fastapi_says_what_to_install():
+    code = (
+        "import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None; "
+        "from mlxq.producer.cli import main; sys.exit(main(['serve']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "pip install 'mlxq[serve]'" in out.stderr
 
 
 def test_chat_body_maps_onto_submit():

@@ -171,6 +171,9 @@ class Gateway:
 
     def _read(self) -> dict[str, Any]:
         doc = collect(self.redis)
+        names = {w["name"] for w in doc["workers"]}
+        for gone in set(self._births) - names:  # names are per process: they never return
+            del self._births[gone]
         for w in doc["workers"]:
             w["started_at"] = self._birth(w["name"])
         return doc
