@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed' \
-	-o -name '*.html')
+	-o -name '*.html' -o -name '*.lua')
 
 .PHONY: install browser demo test lint unit bench bench-e2e soak clean
 

@@ -25,6 +25,7 @@ from typing import Any
 import openai
 import pytest
 from conftest import GatewayProcess, RedisServer, WorkerProcess
+from rq import Queue
 
 from mlxq.producer import Client
 from mlxq.producer.info import collect
@@ -454,7 +455,7 @@ def test_full_queue_is_429_and_failed_jobs_are_504(
     start_worker, start_gateway, strict_model, queue_name, redis_server
 ):
     start_worker(model=strict_model, max_batch=1, window_ms=0)
-    capped = start_gateway(max_queued=1)
+    capped = start_gateway(max_queued=2)
     oai = openai.OpenAI(base_url=f"{capped.url}/v1", api_key="x", max_retries=0, timeout=60)
     client = Client(redis_server.url, queue=queue_name)
     bad = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]
@@ -469,19 +470,22 @@ def test_full_queue_is_429_and_failed_jobs_are_504(
             pass
     assert e.value.code == "504" and "tool turns are not supported" in e.value.message
 
-    # The worker runs one job at a time, so while a long one runs the next one waits.
+    # The worker decodes one job at a time and buffers at most one more, so while a long
+    # one runs, of three more at least two wait in the queue: at the cap of two.
     blocker = client.submit("runs a while", **LONG)
     next(iter(blocker.stream(timeout=60)))
-    waiting = client.submit("waits", max_tokens=2)
+    waiting = [client.submit("waits", max_tokens=2) for _ in range(3)]
+    queued = Queue(queue_name, connection=client.redis)
+    assert queued.count >= 2
     with pytest.raises(openai.RateLimitError) as e:
         oai.completions.create(model=queue_name, prompt="one too many", max_tokens=2)
     assert e.value.status_code == 429 and e.value.code == "queue_full"
     assert e.value.response.headers["retry-after"] == "1"
-    assert blocker.status() == "started" and waiting.status() == "queued"  # held throughout
+    assert blocker.status() == "started" and queued.count >= 2  # held throughout
 
     # A job canceled mid-stream by someone else ends the stream with an error event.
-    waiting.cancel()
-    blocker.cancel()
+    for job in [*waiting, blocker]:
+        job.cancel()
     stream = oai.completions.create(model=queue_name, prompt="long", stream=True, **LONG)
     first = next(iter(stream))
     client.job(_job_id(first.id)).cancel()
