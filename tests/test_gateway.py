@@ -543,6 +543,11 @@ def test_worker_lost_mid_stream_ends_the_stream_and_cancels_the_rerun(
             pass
     assert e.value.code == "504" and "restarted" in e.value.message
     assert _wait_terminal(Client(redis_server.url, queue=queue_name), job_id) == "canceled"
+    # rq still lists the killed worker; its lapsed lease keeps it out of the models.
+    deadline = time.monotonic() + 30
+    while oai.models.retrieve(queue_name).workers != 1:
+        assert time.monotonic() < deadline, "the killed worker still counts as live"
+        time.sleep(0.1)
 
 
 # -- load -----------------------------------------------------------------------------------------

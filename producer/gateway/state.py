@@ -150,7 +150,7 @@ class Gateway:
     def _known(self, queue: str) -> bool:
         """Whether rq knows the queue, or an mlxq worker ever served it."""
         with self.redis.pipeline(transaction=False) as p:
-            p.sismember(Queue.redis_queues_keys, Queue.redis_queue_namespace_prefix + queue)
+            p.sismember(Queue.redis_queues_keys, keys.queue_key(queue))
             p.exists(keys.workers_key(queue))
             return any(p.execute())
 
@@ -174,6 +174,15 @@ class Gateway:
         names = {w["name"] for w in doc["workers"]}
         for gone in set(self._births) - names:  # names are per process: they never return
             del self._births[gone]
+        unknown = [w for w in doc["workers"] if "alive" not in w]
+        if unknown:
+            # rq keeps a killed worker registered for minutes; its mlxq lease lapses in
+            # seconds, so that is what says whether it is alive.
+            with self.redis.pipeline(transaction=False) as p:
+                for w in unknown:
+                    p.exists(keys.alive_key(w["name"]))
+                for w, held in zip(unknown, p.execute(), strict=True):
+                    w["alive"] = bool(held)
         for w in doc["workers"]:
             w["started_at"] = self._birth(w["name"])
         return doc
