@@ -470,11 +470,11 @@ def test_full_queue_is_429_and_failed_jobs_are_504(
             pass
     assert e.value.code == "504" and "tool turns are not supported" in e.value.message
 
-    # The worker decodes one job at a time and buffers at most one more, so while a long
-    # one runs, of three more at least two wait in the queue: at the cap of two.
+    # The worker decodes one job at a time and keeps one batch (one job) in reserve, so
+    # while a long one runs, of four more at least two wait in the queue: at the cap of two.
     blocker = client.submit("runs a while", **LONG)
     next(iter(blocker.stream(timeout=60)))
-    waiting = [client.submit("waits", max_tokens=2) for _ in range(3)]
+    waiting = [client.submit("waits", max_tokens=2) for _ in range(4)]
     queued = Queue(queue_name, connection=client.redis)
     assert queued.count >= 2
     with pytest.raises(openai.RateLimitError) as e:

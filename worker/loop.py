@@ -152,7 +152,9 @@ class Worker:
 
     def _ask_prefetch(self) -> None:
         buffered = sum(j.status is Status.BUFFERED for j in self.jobs.values())
-        want = self.engine.free_slots + self.config.max_batch // 2 - buffered
+        # A whole batch in reserve: when every row ends at once (a sweep of equal jobs),
+        # the next batch is ready to prefill in one pass.
+        want = self.engine.free_slots + self.config.max_batch - buffered
         self.prefetch.want = 0 if self._stop.is_set() else max(0, want)
 
     def _take(self) -> None:

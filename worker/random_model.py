@@ -126,7 +126,8 @@ def model_config(shape: str, tokenizer: Tokenizer, bits: int | None, dtype: str)
     return config
 
 
-def random_model(config: dict[str, Any], seed: int, logit_std: float) -> Model:
+def random_model(config: dict[str, Any], seed: int, logit_std: float,
+                 eos_reachable: bool = True) -> Model:
     """The model ``config`` describes with random weights, a pure function of ``seed``.
 
     Draws every tensor from its own key split from ``seed`` (the caller's global
@@ -152,7 +153,12 @@ def random_model(config: dict[str, Any], seed: int, logit_std: float) -> Model:
             continue
         # Linear (out, in) keeps activations at unit scale.
         std = EMBED_STD if name.endswith("embed_tokens.weight") else 1.0 / math.sqrt(shape[1])
-        weights.append((name, mx.random.normal(shape, dtype=dtype, key=key) * std))
+        w = mx.random.normal(shape, dtype=dtype, key=key) * std
+        if name.endswith("embed_tokens.weight") and not eos_reachable:
+            # A zero row gives end-of-sequence a logit of exactly 0, far below every
+            # nucleus (logits have std logit_std): jobs then run to max_tokens.
+            w[config["eos_token_id"]] = 0
+        weights.append((name, w))
     model.load_weights(weights)
     if "quantization" in config:
         q = config["quantization"]
@@ -194,6 +200,7 @@ def build_random_model(
     dtype: str = "bfloat16",
     seed: int = 0,
     logit_std: float = 5.0,
+    eos_reachable: bool = True,
 ) -> Path:
     """Write a random-weight checkpoint of a real model's size in the Hugging Face layout.
 
@@ -215,6 +222,8 @@ def build_random_model(
         logit_std: Std of next-token logits on random prompts; 5 gives top_p=0.9
             nuclei of tens of tokens, like a trained model's, where random
             weights alone give a near-uniform distribution.
+        eos_reachable: False makes end-of-sequence unreachable by any of the usual
+            sampling params, so benchmarks compare runs of equal length.
 
     Returns:
         The output directory as a ``Path``.
@@ -231,7 +240,9 @@ def build_random_model(
 
     tokenizer = padded_tokenizer(SHAPES[shape]["vocab_size"])
     config = model_config(shape, tokenizer, bits, dtype)
-    model = random_model(config, seed, float(logit_std))
+    if not eos_reachable:
+        config["eos_reachable"] = False  # read by nothing but whoever reuses the directory
+    model = random_model(config, seed, float(logit_std), eos_reachable)
     weights = dict(cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
     # Sorted keys keep the safetensors header, and so the file, stable.
     mx.save_safetensors(
