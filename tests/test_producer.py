@@ -33,6 +33,32 @@ def test_worker_without_mlx_says_what_to_install():
     assert "pip install 'mlxq[worker]'" in out.stderr
 
 
+def test_a_real_import_bug_is_not_reported_as_a_missing_extra():
+    # MLX is there; one of mlxq's own modules is broken: say so, not "pip install".
+    code = ("import sys; sys.modules['mlxq.worker.sink'] = None; "
+            "from mlxq.producer.cli import main; sys.exit(main(['worker', '--model', 'x']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "pip install" not in out.stderr and "mlxq.worker.sink" in out.stderr
+
+
+def test_worker_help_shows_the_real_defaults_without_mlx():
+    from mlxq.worker import config
+
+    code = ("import sys; sys.modules['mlx'] = None; sys.modules['mlx_lm'] = None; "
+            "import runpy; sys.argv = ['mlxq.worker', '--help']; "
+            "runpy.run_module('mlxq.worker', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "continuous batches" in text
+    for flag, default in (("--window-ms", config.DEFAULT_WINDOW_MS),
+                          ("--max-batch", config.DEFAULT_MAX_BATCH),
+                          ("--stream-interval-ms", config.DEFAULT_STREAM_INTERVAL_MS),
+                          ("--grace-s", config.DEFAULT_GRACE_S)):
+        assert flag in text and f"(default: {default}" in text, flag
+
+
 def test_payload_round_trip():
     req = GenerationRequest(messages=({"role": "user", "content": "hi"},), max_tokens=9,
                             sampling=SamplingParams(0.7, 0.9, 40, 0.05, seed=3),
