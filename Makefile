@@ -25,6 +25,7 @@ install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check producer worker batching tests ops
+	$(BIN)/ruff format --check producer worker batching tests ops
 	cd $(VENV) && bin/mypy --config-file ../pyproject.toml -p mlxq.producer -p mlxq.batching -p mlxq.worker
 
 # Debian's Chromium for the dashboard's browser test (Playwright drives it; it

@@ -163,14 +163,18 @@ class RowParams:
             top_k=_column([p.top_k for p in sampled], mx.int32),
             min_p=_column([p.min_p for p in sampled], mx.float32),
             inv_temperature=_column([1 / p.temperature for p in sampled], mx.float32),
-            log_min_p=_column([math.log(p.min_p) if p.min_p else _NEG_INF for p in sampled],
-                              mx.float32),
+            log_min_p=_column(
+                [math.log(p.min_p) if p.min_p else _NEG_INF for p in sampled], mx.float32
+            ),
             seed_lo=_column([s & 0xFFFFFFFF for s in seeds], mx.uint32),
             seed_hi=_column([s >> 32 for s in seeds], mx.uint32),
             seeded=_column([p.seed is not None for p in sampled], mx.bool_),
             greedy=mx.array([p.greedy for p in params]),
-            plain=(_column([p.greedy for p in params], mx.bool_) if not num_candidates
-                   else mx.array(False)),
+            plain=(
+                _column([p.greedy for p in params], mx.bool_)
+                if not num_candidates
+                else mx.array(False)
+            ),
             all_greedy=all(p.greedy for p in params),
             homogeneous=len({p.key() for p in params}) == 1 and all(p.seed is None for p in params),
             any_seeded=any(p.seed is not None for p in sampled),
@@ -194,8 +198,9 @@ def _column(values: Sequence[float | int | bool], dtype: mx.Dtype) -> mx.array:
     return mx.array(list(values), dtype=dtype).reshape(-1, 1)
 
 
-def _noise(shape: tuple[int, ...], tokens: mx.array, rows: RowParams,
-           positions: mx.array) -> mx.array:
+def _noise(
+    shape: tuple[int, ...], tokens: mx.array, rows: RowParams, positions: mx.array
+) -> mx.array:
     """Gumbel noise: a hash of (seed, position, token id) for seeded rows, else mx.random."""
     if not rows.any_seeded:
         return mx.random.gumbel(shape)
@@ -267,8 +272,9 @@ def _subset(rows: RowParams, idx: tuple[int, ...]) -> RowParams:
 
 
 @mx.compile
-def _masked_argmax(x: mx.array, floor: mx.array, inv_temp: mx.array, g: mx.array,
-                   plain: mx.array) -> mx.array:
+def _masked_argmax(
+    x: mx.array, floor: mx.array, inv_temp: mx.array, g: mx.array, plain: mx.array
+) -> mx.array:
     # Compiled so the full-vocabulary passes fuse: otherwise ~1.5x slower than
     # mlx-lm's own compiled categorical at (64, 152k).
     x32 = x.astype(mx.float32)
@@ -308,8 +314,9 @@ def _draw_wide(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
     return _masked_argmax(x, floor, rows.inv_temperature, g, rows.plain)
 
 
-def _draw_narrow(vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams,
-                 positions: mx.array) -> mx.array:
+def _draw_narrow(
+    vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams, positions: mx.array
+) -> mx.array:
     """Gumbel-max over each row's kept candidates only."""
     g = _noise(vals.shape, idx, rows, positions)
     z = mx.where(keep, vals * rows.inv_temperature + g, _NEG_INF)
@@ -339,8 +346,10 @@ def _draw(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
     else:
         unsettled = rows.wide_rows
     # Rows needing the full sort apart from the rest, so only they pay for it.
-    for group in (tuple(i for i in unsettled if rows.sampled[i].top_p < 1),
-                  tuple(i for i in unsettled if rows.sampled[i].top_p == 1)):
+    for group in (
+        tuple(i for i in unsettled if rows.sampled[i].top_p < 1),
+        tuple(i for i in unsettled if rows.sampled[i].top_p == 1),
+    ):
         if group:
             wide = mx.array(group)
             out[wide] = _draw_wide(x[wide], _subset(rows, group), positions[wide])

@@ -326,9 +326,10 @@ def measure_ttft(direct: Direct, mq: Mlxq, prompts: list[str], tokens: int) -> d
     kws = [dict(prompt=p, max_tokens=tokens, **HOMOG) for p in prompts]
     ids = direct.encode(prompts)
     # Median of 5, each on an idle worker (a single sample is at the mercy of the GPU clock).
-    one = {"mlxq_one_s": statistics.median(mq.first_chunk_s(kws[i]) for i in range(5)),
-           "direct_one_s": statistics.median(direct.first_token_s(ids[i:i + 1])
-                                             for i in range(5))}
+    one = {
+        "mlxq_one_s": statistics.median(mq.first_chunk_s(kws[i]) for i in range(5)),
+        "direct_one_s": statistics.median(direct.first_token_s(ids[i : i + 1]) for i in range(5)),
+    }
     burst = asyncio.run(mq.burst_first_chunks_s(kws))
     return {
         **one,
@@ -412,14 +413,18 @@ def model_dir_for(args: argparse.Namespace, work: Path) -> Path:
     config = out / "config.json"
     if config.exists():
         have = {"eos_reachable": True, **json.loads(config.read_text("utf-8"))}
-        want = {**SHAPES[args.shape], "torch_dtype": args.dtype,
-                "eos_reachable": args.eos_reachable}
+        want = {
+            **SHAPES[args.shape],
+            "torch_dtype": args.dtype,
+            "eos_reachable": args.eos_reachable,
+        }
         if all(have.get(k) == v for k, v in want.items()):
             print(f"model: reusing {out}", flush=True)
             return out
     t0 = time.perf_counter()
-    build_random_model(out, shape=args.shape, dtype=args.dtype, seed=args.seed,
-                       eos_reachable=args.eos_reachable)
+    build_random_model(
+        out, shape=args.shape, dtype=args.dtype, seed=args.seed, eos_reachable=args.eos_reachable
+    )
     print(f"model: built {args.shape} in {time.perf_counter() - t0:.1f} s at {out}", flush=True)
     return out
 
@@ -589,10 +594,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(MODES)} (default: all)",
     )
     ap.add_argument("--model-dir", help="build the model here (reused if it holds the shape)")
-    ap.add_argument("--eos-reachable", action="store_true",
-                    help="let jobs end early at end-of-sequence (default: unreachable, so "
-                    "both sides run jobs of equal length and continuous refill stays "
-                    "comparable)")
+    ap.add_argument(
+        "--eos-reachable",
+        action="store_true",
+        help="let jobs end early at end-of-sequence (default: unreachable, so "
+        "both sides run jobs of equal length and continuous refill stays "
+        "comparable)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="model weights' seed")
     ap.add_argument(
         "--dtype",

@@ -43,21 +43,42 @@ Sampler = Callable[[mx.array], mx.array]
 
 #: Llama-shaped dims; 0.5b / 1.5b are Qwen2.5's (without its qkv bias), 4-bit.
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=32_000),
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
-                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151_936),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
-                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151_936),
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32_000,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+    ),
 }
 HOMOGENEOUS = SP(temperature=0.7, top_p=0.9)
-GROUPS = [SP(temperature=0.7, top_p=0.9), SP(temperature=1.0, top_k=40),
-          SP(temperature=0.8, min_p=0.05), SP(temperature=0.0)]
+GROUPS = [
+    SP(temperature=0.7, top_p=0.9),
+    SP(temperature=1.0, top_k=40),
+    SP(temperature=0.8, min_p=0.05),
+    SP(temperature=0.0),
+]
 MODES = ("a", "b", "c", "d", "e")
 
 
-def build_model(shape: str, vocab: int | None, logit_std: float,
-                dtype: str = "float32") -> Model:
+def build_model(shape: str, vocab: int | None, logit_std: float, dtype: str = "float32") -> Model:
     """A random-weight model whose next-token logits have std ``logit_std``.
 
     Random weights give near-uniform logits, where every nucleus spans most of
@@ -67,8 +88,11 @@ def build_model(shape: str, vocab: int | None, logit_std: float,
     dims = dict(SHAPES[shape])
     if vocab:
         dims["vocab_size"] = vocab
-    model = Model(ModelArgs(model_type="llama", rms_norm_eps=1e-5, rope_theta=1e6,
-                            tie_word_embeddings=True, **dims))
+    model = Model(
+        ModelArgs(
+            model_type="llama", rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=True, **dims
+        )
+    )
     # Real checkpoints run in half precision; float32 activations would make every
     # forward pass (and the 152k-wide logits) several times slower than in use.
     model.set_dtype(getattr(mx, dtype))
@@ -120,14 +144,26 @@ def samplers_for(mode: str, b: int) -> tuple[Sampler | None, list[Sampler] | Non
     return None, [plain(p) for p in mixed]
 
 
-def decode_rate(model: Model, mode: str, b: int, tokens: int, prompt_len: int,
-                clock: Callable[[], float] = time.perf_counter) -> float:
+def decode_rate(
+    model: Model,
+    mode: str,
+    b: int,
+    tokens: int,
+    prompt_len: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Generated tokens per second of ``clock`` over ``tokens`` decode steps, prefill
     excluded."""
     fallback, per_row = samplers_for(mode, b)
     vocab = model.args.vocab_size
-    gen = BatchGenerator(model, max_tokens=tokens + 1, stop_tokens=None, sampler=fallback,
-                         completion_batch_size=b, prefill_batch_size=b)
+    gen = BatchGenerator(
+        model,
+        max_tokens=tokens + 1,
+        stop_tokens=None,
+        sampler=fallback,
+        completion_batch_size=b,
+        prefill_batch_size=b,
+    )
     try:
         prompts = mx.random.randint(0, vocab, (b, prompt_len)).tolist()
         uids = gen.insert(prompts, samplers=per_row)
@@ -153,19 +189,26 @@ def run_batch(model: Model, args: argparse.Namespace) -> list[dict[str, Any]]:
             for m in MODES:
                 r = decode_rate(model, m, b, args.tokens, args.prompt_len, clock)
                 rate[m] = max(rate[m], r)
-        rows.append({"batch": b, **{f"tok_s_{m}": rate[m] for m in MODES},
-                     "vec_vs_shared": rate["c"] / rate["b"],
-                     "mixed_vs_homog": rate["d"] / rate["c"],
-                     "vec_vs_rowloop_mixed": rate["d"] / rate["e"],
-                     "vec_vs_rowloop_homog": rate["c"] / rate["a"]})
+        rows.append(
+            {
+                "batch": b,
+                **{f"tok_s_{m}": rate[m] for m in MODES},
+                "vec_vs_shared": rate["c"] / rate["b"],
+                "mixed_vs_homog": rate["d"] / rate["c"],
+                "vec_vs_rowloop_mixed": rate["d"] / rate["e"],
+                "vec_vs_rowloop_homog": rate["c"] / rate["a"],
+            }
+        )
         print(_format(rows[-1]), flush=True)
     return rows
 
 
 def _format(r: dict[str, Any]) -> str:
     rates = " ".join(f"{r[f'tok_s_{m}']:9.1f}" for m in MODES)
-    return (f"{r['batch']:>4} {rates} {r['vec_vs_shared']:7.2f} {r['mixed_vs_homog']:7.2f}"
-            f" {r['vec_vs_rowloop_mixed']:7.2f} {r['vec_vs_rowloop_homog']:7.2f}")
+    return (
+        f"{r['batch']:>4} {rates} {r['vec_vs_shared']:7.2f} {r['mixed_vs_homog']:7.2f}"
+        f" {r['vec_vs_rowloop_mixed']:7.2f} {r['vec_vs_rowloop_homog']:7.2f}"
+    )
 
 
 def _time_ms(fn: Callable[[], mx.array], reps: int) -> float:
@@ -182,21 +225,29 @@ def micro_case(x: mx.array, params: list[SP], reps: int) -> dict[str, float]:
     """Milliseconds per call: mlxq (candidates / full sort) vs mlx-lm's sampler(s)."""
     pos = mx.zeros((x.shape[0],), dtype=mx.int32)
     cand, full = RowParams.from_params(params), RowParams.from_params(params, 0)
-    out = {"mlxq_candidates": _time_ms(lambda: sample(x, cand, pos), reps),
-           "mlxq_full_sort": _time_ms(lambda: sample(x, full, pos), reps)}
+    out = {
+        "mlxq_candidates": _time_ms(lambda: sample(x, cand, pos), reps),
+        "mlxq_full_sort": _time_ms(lambda: sample(x, full, pos), reps),
+    }
     if cand.homogeneous:
         shared = plain(params[0])
         out["mlx_lm_shared"] = _time_ms(lambda: shared(x), reps)
     else:
         loop = [plain(p) for p in params]
         out["mlx_lm_row_loop"] = _time_ms(
-            lambda: mx.concatenate([s(x[i : i + 1]) for i, s in enumerate(loop)]), reps)
+            lambda: mx.concatenate([s(x[i : i + 1]) for i, s in enumerate(loop)]), reps
+        )
     return out
 
 
 def run_micro(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cases = {"top_p": [HOMOGENEOUS], "top_k": [GROUPS[1]], "min_p": [GROUPS[2]],
-             "temp": [SP(temperature=1.0)], "mixed4": GROUPS}
+    cases = {
+        "top_p": [HOMOGENEOUS],
+        "top_k": [GROUPS[1]],
+        "min_p": [GROUPS[2]],
+        "temp": [SP(temperature=1.0)],
+        "mixed4": GROUPS,
+    }
     rows = []
     for vocab in (1024, 151_936):
         for b in args.batch_sizes:
@@ -207,8 +258,16 @@ def run_micro(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for name, groups in cases.items():
                     params = [groups[i % len(groups)] for i in range(b)]
                     ms = micro_case(x, params, args.reps)
-                    rows.append({"vocab": vocab, "batch": b, "dist": dist, "case": name,
-                                 "nucleus_0.9": median_nucleus, **ms})
+                    rows.append(
+                        {
+                            "vocab": vocab,
+                            "batch": b,
+                            "dist": dist,
+                            "case": name,
+                            "nucleus_0.9": median_nucleus,
+                            **ms,
+                        }
+                    )
                     cells = " ".join(f"{k}={v:.2f}" for k, v in ms.items())
                     print(f"V={vocab:<6} B={b:<3} {dist:<6} {name:<6} {cells}", flush=True)
     return rows
@@ -220,16 +279,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=None, help="override the shape's vocabulary")
     ap.add_argument("--tokens", type=int, default=16, help="timed decode steps per run")
     ap.add_argument("--rounds", type=int, default=2, help="runs per mode; the best counts")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="cpu: tokens per CPU-second of this process, steadier when "
-                         "other work shares the machine")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: tokens per CPU-second of this process, steadier when "
+        "other work shares the machine",
+    )
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--batch-sizes", type=lambda s: [int(v) for v in s.split(",")],
-                    default=[1, 4, 16, 64])
-    ap.add_argument("--logit-std", type=float, default=5.0,
-                    help="std of the random model's logits (5: nuclei of tens of tokens)")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    help="model dtype (default: bfloat16 for 0.5b/1.5b, float32 for tiny)")
+    ap.add_argument(
+        "--batch-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64]
+    )
+    ap.add_argument(
+        "--logit-std",
+        type=float,
+        default=5.0,
+        help="std of the random model's logits (5: nuclei of tens of tokens)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="model dtype (default: bfloat16 for 0.5b/1.5b, float32 for tiny)",
+    )
     ap.add_argument("--micro", action="store_true", help="time the sampler alone instead")
     ap.add_argument("--reps", type=int, default=5, help="--micro: calls per timing")
     ap.add_argument("--json", metavar="OUT", help="also write the results here")
@@ -243,16 +315,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         model = build_model(args.shape, args.vocab, args.logit_std, args.dtype)
         probe = model(mx.random.randint(0, model.args.vocab_size, (64, 8)))[:, -1]
-        sizes = nucleus_sizes(np.array((probe - mx.logsumexp(probe, -1, keepdims=True))
-                                       .astype(mx.float32)))
+        sizes = nucleus_sizes(
+            np.array((probe - mx.logsumexp(probe, -1, keepdims=True)).astype(mx.float32))
+        )
         result["nucleus_0.9"] = {"median": statistics.median(sizes), "max": max(sizes)}
-        print(f"shape={args.shape} vocab={model.args.vocab_size} tokens={args.tokens} "
-              f"top_p=0.9 nucleus median={statistics.median(sizes)} max={max(sizes)}")
-        print(f"device={mx.default_device()} dtype={args.dtype} mlxq candidates="
-              f"{default_num_candidates() or 'none (one sync-free sort)'}; tokens per "
-              f"{args.clock}-clock second; best of {args.rounds} rounds")
-        print("   B      a:row     b:shr     c:vec   d:vecmix  e:rowmix"
-              "   c/b     d/c     d/e     c/a")
+        print(
+            f"shape={args.shape} vocab={model.args.vocab_size} tokens={args.tokens} "
+            f"top_p=0.9 nucleus median={statistics.median(sizes)} max={max(sizes)}"
+        )
+        print(
+            f"device={mx.default_device()} dtype={args.dtype} mlxq candidates="
+            f"{default_num_candidates() or 'none (one sync-free sort)'}; tokens per "
+            f"{args.clock}-clock second; best of {args.rounds} rounds"
+        )
+        print(
+            "   B      a:row     b:shr     c:vec   d:vecmix  e:rowmix   c/b     d/c     d/e     c/a"
+        )
         result["batch"] = run_batch(model, args)
     if args.json:
         with open(args.json, "w") as f:

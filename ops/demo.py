@@ -25,16 +25,28 @@ from mlxq.producer import Client, Job
 QUEUE = "mlxq-demo"
 JOBS = [
     ("greedy", dict(prompt="The old lighthouse keeper", max_tokens=40)),
-    ("t=0.7 top_p=0.9", dict(prompt="On a quiet morning", max_tokens=40, temperature=0.7,
-                             top_p=0.9)),
-    ("t=1.0 top_k=20", dict(prompt="Rain fell over the city", max_tokens=40, temperature=1.0,
-                            top_k=20)),
-    ("t=0.8 min_p=0.05", dict(prompt="She opened the letter", max_tokens=40, temperature=0.8,
-                              min_p=0.05)),
-    ("chat, seed=7", dict(messages=[{"role": "user", "content": "Tell me about trains."}],
-                          max_tokens=40, temperature=0.9, seed=7)),
-    ("t=0.7 top_p=0.9 #2", dict(prompt="In the garden", max_tokens=40, temperature=0.7,
-                                top_p=0.9)),
+    (
+        "t=0.7 top_p=0.9",
+        dict(prompt="On a quiet morning", max_tokens=40, temperature=0.7, top_p=0.9),
+    ),
+    (
+        "t=1.0 top_k=20",
+        dict(prompt="Rain fell over the city", max_tokens=40, temperature=1.0, top_k=20),
+    ),
+    (
+        "t=0.8 min_p=0.05",
+        dict(prompt="She opened the letter", max_tokens=40, temperature=0.8, min_p=0.05),
+    ),
+    (
+        "chat, seed=7",
+        dict(
+            messages=[{"role": "user", "content": "Tell me about trains."}],
+            max_tokens=40,
+            temperature=0.9,
+            seed=7,
+        ),
+    ),
+    ("t=0.7 top_p=0.9 #2", dict(prompt="In the garden", max_tokens=40, temperature=0.7, top_p=0.9)),
 ]
 
 
@@ -48,15 +60,31 @@ def find_redis(url: str, workdir: Path) -> tuple[str, subprocess.Popen[bytes] | 
         pass
     exe = shutil.which("redis-server")
     if exe is None:
-        sys.exit(f"no Redis answers at {url} and redis-server is not installed.\n"
-                 "Install Redis 7 (Debian/Ubuntu: sudo apt-get install redis-server; "
-                 "macOS: brew install redis), or point MLXQ_REDIS_URL at one.")
+        sys.exit(
+            f"no Redis answers at {url} and redis-server is not installed.\n"
+            "Install Redis 7 (Debian/Ubuntu: sudo apt-get install redis-server; "
+            "macOS: brew install redis), or point MLXQ_REDIS_URL at one."
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(200):
         try:
@@ -113,17 +141,31 @@ def worker_stats(r: redis.Redis) -> dict[str, object]:
 
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mlxq-demo-"))
-    url, redis_proc = find_redis(os.environ.get("MLXQ_REDIS_URL", "redis://localhost:6379/0"),
-                                 work)
+    url, redis_proc = find_redis(os.environ.get("MLXQ_REDIS_URL", "redis://localhost:6379/0"), work)
     worker = None
     try:
         model = work / "tiny"
         subprocess.run(["mlxq", "model", "tiny", str(model)], check=True, stdout=subprocess.DEVNULL)
         print(f"built the tiny model in {model}")
         log = work / "worker.log"
-        worker = subprocess.Popen(["mlxq", "worker", "--model", str(model), "--redis-url", url,
-                                   "--queue", QUEUE, "--window-ms", "50", "--max-batch", "8"],
-                                  stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(
+            [
+                "mlxq",
+                "worker",
+                "--model",
+                str(model),
+                "--redis-url",
+                url,
+                "--queue",
+                QUEUE,
+                "--window-ms",
+                "50",
+                "--max-batch",
+                "8",
+            ],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
         client = Client(url, queue=QUEUE)
         from rq import Worker
 
@@ -136,8 +178,9 @@ def main() -> int:
         jobs = client.submit_many([kw for _, kw in JOBS])
         board = Board([label for label, _ in JOBS])
         totals = [0] * len(jobs)
-        threads = [threading.Thread(target=follow, args=(j, i, board, totals))
-                   for i, j in enumerate(jobs)]
+        threads = [
+            threading.Thread(target=follow, args=(j, i, board, totals)) for i, j in enumerate(jobs)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -146,12 +189,16 @@ def main() -> int:
         time.sleep(1.2)  # the worker publishes its counters about once a second
         stats = worker_stats(client.redis)
         tokens = sum(totals)
-        print(f"\n{len(jobs)} jobs, {tokens} tokens in {wall:.2f}s: {tokens / wall:.0f} tok/s "
-              "(tiny random model; the text is noise by design)")
+        print(
+            f"\n{len(jobs)} jobs, {tokens} tokens in {wall:.2f}s: {tokens / wall:.0f} tok/s "
+            "(tiny random model; the text is noise by design)"
+        )
         if stats:
-            print(f"decode steps {stats['decode_steps']}, vectorized {stats['vectorized_steps']} "
-                  f"({stats['sampler_calls']} sampler calls); batch sizes seen (size: steps) "
-                  f"{stats['batch_sizes']}")
+            print(
+                f"decode steps {stats['decode_steps']}, vectorized {stats['vectorized_steps']} "
+                f"({stats['sampler_calls']} sampler calls); batch sizes seen (size: steps) "
+                f"{stats['batch_sizes']}"
+            )
         print("statuses:", ", ".join(sorted({j.status() for j in jobs})))
         return 0
     finally:

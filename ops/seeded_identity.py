@@ -43,22 +43,40 @@ def main() -> None:
 
         path = str(build_tiny_model(tempfile.mkdtemp(prefix="mlxq-tiny-")))
     model, tok = load(path)[:2]
-    groups = [SamplingParams(0.7, 0.9), SamplingParams(1.0, top_k=20),
-              SamplingParams(1.2, min_p=0.1), SamplingParams()]
-    seeded = {f"s{i}": GenerationRequest(prompt=f"Seeded story number {i}:",
-                                         max_tokens=args.tokens,
-                                         sampling=SamplingParams(0.8, 0.95, seed=1000 + i))
-              for i in range(args.jobs)}
-    fillers = {f"f{i}": GenerationRequest(prompt=f"Filler {i}", max_tokens=args.tokens,
-                                          sampling=groups[i % len(groups)])
-               for i in range(max(0, args.batch - args.jobs))}
+    groups = [
+        SamplingParams(0.7, 0.9),
+        SamplingParams(1.0, top_k=20),
+        SamplingParams(1.2, min_p=0.1),
+        SamplingParams(),
+    ]
+    seeded = {
+        f"s{i}": GenerationRequest(
+            prompt=f"Seeded story number {i}:",
+            max_tokens=args.tokens,
+            sampling=SamplingParams(0.8, 0.95, seed=1000 + i),
+        )
+        for i in range(args.jobs)
+    }
+    fillers = {
+        f"f{i}": GenerationRequest(
+            prompt=f"Filler {i}", max_tokens=args.tokens, sampling=groups[i % len(groups)]
+        )
+        for i in range(max(0, args.batch - args.jobs))
+    }
     alone = {j: run(Engine(model, tok, max_batch=1), {j: r})[j] for j, r in seeded.items()}
     together = run(Engine(model, tok, max_batch=args.batch), {**seeded, **fillers})
     same = sum(alone[j] == together[j] for j in seeded)
-    first_diff = [next((k for k, (a, b) in enumerate(zip(alone[j], together[j], strict=False))
-                        if a != b), None) for j in seeded if alone[j] != together[j]]
-    print(f"model {path}: {same}/{len(seeded)} seeded jobs identical alone vs in a batch of "
-          f"{args.batch} ({args.tokens} tokens each)")
+    first_diff = [
+        next(
+            (k for k, (a, b) in enumerate(zip(alone[j], together[j], strict=False)) if a != b), None
+        )
+        for j in seeded
+        if alone[j] != together[j]
+    ]
+    print(
+        f"model {path}: {same}/{len(seeded)} seeded jobs identical alone vs in a batch of "
+        f"{args.batch} ({args.tokens} tokens each)"
+    )
     if first_diff:
         print(f"first differing position of the others: {sorted(first_diff)}")
 

@@ -39,11 +39,32 @@ from mlxq.producer.keys import JOB_FUNC, alive_key, cancel_set, wip_key
 QUEUE = "soak"
 MAX_BATCH = 32
 TERMINAL = ("finished", "failed", "canceled")
-WORDS = ["river", "stone", "lamp", "harbor", "winter", "copper", "garden", "signal", "orchard",
-         "violet", "thunder", "ladder", "meadow", "candle", "engine", "quiet", "falcon"]
+WORDS = [
+    "river",
+    "stone",
+    "lamp",
+    "harbor",
+    "winter",
+    "copper",
+    "garden",
+    "signal",
+    "orchard",
+    "violet",
+    "thunder",
+    "ladder",
+    "meadow",
+    "candle",
+    "engine",
+    "quiet",
+    "falcon",
+]
 # The five sampling-param groups; the fifth (seeded) is built per job.
-GROUPS = [{}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0, "top_k": 20},
-          {"temperature": 1.2, "min_p": 0.1}]
+GROUPS = [
+    {},
+    {"temperature": 0.7, "top_p": 0.9},
+    {"temperature": 1.0, "top_k": 20},
+    {"temperature": 1.2, "min_p": 0.1},
+]
 MLXQ = shutil.which("mlxq") or str(Path(sys.executable).with_name("mlxq"))
 
 
@@ -106,9 +127,24 @@ class Cluster:
     def start_redis(self) -> None:
         exe = shutil.which("redis-server") or sys.exit("redis-server not found")
         self.redis_proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.work)],
-            stdout=(self.work / "redis.log").open("ab"), stderr=subprocess.STDOUT)
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--dir",
+                str(self.work),
+            ],
+            stdout=(self.work / "redis.log").open("ab"),
+            stderr=subprocess.STDOUT,
+        )
         retry(self.r.ping, within=30)
 
     def stop_redis(self) -> None:
@@ -119,10 +155,29 @@ class Cluster:
     def start_worker(self) -> str:
         name = next(self.names)
         self.workers[name] = subprocess.Popen(
-            [MLXQ, "worker", "--model", str(self.model), "--redis-url", self.url, "--queue",
-             QUEUE, "--max-batch", str(MAX_BATCH), "--window-ms", "20", "--grace-s",
-             str(self.grace_s), "--stream-ttl", str(self.stream_ttl), "--name", name],
-            stdout=(self.work / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
+            [
+                MLXQ,
+                "worker",
+                "--model",
+                str(self.model),
+                "--redis-url",
+                self.url,
+                "--queue",
+                QUEUE,
+                "--max-batch",
+                str(MAX_BATCH),
+                "--window-ms",
+                "20",
+                "--grace-s",
+                str(self.grace_s),
+                "--stream-ttl",
+                str(self.stream_ttl),
+                "--name",
+                name,
+            ],
+            stdout=(self.work / f"{name}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 120
         while not retry(lambda: self.r.exists(alive_key(name))):  # set once it serves
             if self.workers[name].poll() is not None or time.monotonic() > deadline:
@@ -163,8 +218,9 @@ def job_kwargs(k: int) -> dict[str, Any]:
     rng = random.Random(k)
     params = dict(GROUPS[k % 5]) if k % 5 < 4 else {"temperature": 0.8, "seed": k}
     text = f"{k} " + " ".join(rng.sample(WORDS, rng.randint(1, 12)))
-    prompt: dict[str, Any] = ({"messages": [{"role": "user", "content": text}]} if k % 7 == 0
-                              else {"prompt": text})
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": text}]} if k % 7 == 0 else {"prompt": text}
+    )
     return {**prompt, "max_tokens": rng.randint(8, 24), **params}
 
 
@@ -188,6 +244,7 @@ class Soak:
             except (redis.ConnectionError, redis.TimeoutError):
                 self.t.submit_retries += 1  # Redis is restarting: send the batch again
                 raise
+
         jobs: list[Job] = retry(attempt)
         with self.t.lock:
             self.t.kind.update((j.id, kind) for j in jobs)
@@ -257,7 +314,7 @@ class Soak:
                 ids = [i for i in self.t.kind if i not in self.t.final]
             try:
                 for i in range(0, len(ids), 500):
-                    self.record(ids[i:i + 500])
+                    self.record(ids[i : i + 500])
             except (redis.ConnectionError, redis.TimeoutError):
                 pass  # Redis is restarting: the next pass catches up
             except Exception as e:
@@ -298,8 +355,10 @@ class Soak:
             time.sleep(0.05)
         self.t.recoveries.append(time.monotonic() - t)
         new = self.c.start_worker()
-        return (f"kill -9 {name} holding {held} jobs; {self.witness} requeued them in "
-                f"{self.t.recoveries[-1]:.2f}s; then started {new}")
+        return (
+            f"kill -9 {name} holding {held} jobs; {self.witness} requeued them in "
+            f"{self.t.recoveries[-1]:.2f}s; then started {new}"
+        )
 
     def sigterm_replace(self) -> str:
         (name, held), t = self.busy_spare(), time.monotonic()
@@ -307,8 +366,10 @@ class Soak:
         self.t.sigterm_rcs.append(rc)
         left = len(self.c.wip(name))
         new = self.c.start_worker()
-        return (f"SIGTERM {name} holding {held} jobs: exit {rc} after "
-                f"{time.monotonic() - t:.1f}s, {left} left in its WIP list; started {new}")
+        return (
+            f"SIGTERM {name} holding {held} jobs: exit {rc} after "
+            f"{time.monotonic() - t:.1f}s, {left} left in its WIP list; started {new}"
+        )
 
     def restart_redis(self) -> str:
         held = self.listen_held(list(self.c.workers))
@@ -325,8 +386,9 @@ class Soak:
 
     def cancel_sample(self) -> str:
         """A burst deep enough to leave some jobs queued; cancel 5 running and 5 queued."""
-        jobs = self.submit([{**job_kwargs(k), "max_tokens": 24}
-                            for k in range(4 * MAX_BATCH)], "burst")
+        jobs = self.submit(
+            [{**job_kwargs(k), "max_tokens": 24} for k in range(4 * MAX_BATCH)], "burst"
+        )
         for j in jobs:
             self.listen(j.id)
         time.sleep(0.3)
@@ -343,8 +405,12 @@ class Soak:
         rogue = Queue(QUEUE, connection=r)  # rq's default serializer: pickle
         mq = Queue(QUEUE, connection=r, serializer=MsgpackSerializer)
         ids = [rogue.enqueue(JOB_FUNC, {"v": 1, "prompt": "pickled"}).id]
-        for payload in ({"v": 1, "prompt": 42}, {"v": 1, "prompt": "x", "max_tokens": "many"},
-                        {"v": 1, "prompt": "x", "top_p": 7}, ["not", "a", "map"]):
+        for payload in (
+            {"v": 1, "prompt": 42},
+            {"v": 1, "prompt": "x", "max_tokens": "many"},
+            {"v": 1, "prompt": "x", "top_p": 7},
+            ["not", "a", "map"],
+        ):
             ids.append(mq.enqueue(JOB_FUNC, payload).id)
         ids.append(mq.enqueue("os.system", {"v": 1, "prompt": "rm -rf /"}).id)
         job = mq.create_job(JOB_FUNC, args=({"v": 1, "prompt": "x"},))
@@ -369,8 +435,15 @@ class Soak:
                 self.c.start_worker()
 
     def inject(self, submitting: threading.Thread) -> None:
-        faults = [self.kill9_replace, self.kill9_recover, self.sigterm_replace,
-                  self.restart_redis, self.kill_clients, self.cancel_sample, self.poison]
+        faults = [
+            self.kill9_replace,
+            self.kill9_recover,
+            self.sigterm_replace,
+            self.restart_redis,
+            self.kill_clients,
+            self.cancel_sample,
+            self.poison,
+        ]
         for n, fault in enumerate(itertools.cycle(faults)):
             if n >= len(faults) and not submitting.is_alive():
                 return
@@ -401,8 +474,10 @@ class Soak:
         stop.set()
         poller.join()
         # Every job ended, so rq must show none started: name any it still does.
-        started = [f"{i[:8]} {self.t.final.get(i, ('untracked',))[0]}" for i in
-                   retry(StartedJobRegistry(QUEUE, connection=c.r).get_job_ids)]
+        started = [
+            f"{i[:8]} {self.t.final.get(i, ('untracked',))[0]}"
+            for i in retry(StartedJobRegistry(QUEUE, connection=c.r).get_job_ids)
+        ]
         self.say(f"drained; StartedJobRegistry holds {started}; waiting out the TTLs")
         time.sleep(self.args.ttl + 3)
         clean_registries(Queue(QUEUE, connection=c.r, serializer=MsgpackSerializer))
@@ -426,21 +501,30 @@ class Soak:
         others = Counter(why.split(":")[0] for k, why in failed if k != "poison")
         alive_listeners = sum(th.is_alive() for th in self.listeners)
         asked = Counter((st, t.final.get(i, ("lost",))[0]) for i, st in t.cancel_asked.items())
-        queued_not_canceled = sum(n for (st, end), n in asked.items()
-                                  if st == "queued" and end != "canceled")
+        queued_not_canceled = sum(
+            n for (st, end), n in asked.items() if st == "queued" and end != "canceled"
+        )
         rows = [
             ("faults injected", ", ".join(f"{k} x{v}" for k, v in t.faults.items())),
-            ("jobs submitted", f"{len(t.kind)} ({dict(Counter(t.kind.values()))}); "
-                               f"{t.submit_retries} submit batches retried"),
+            (
+                "jobs submitted",
+                f"{len(t.kind)} ({dict(Counter(t.kind.values()))}); "
+                f"{t.submit_retries} submit batches retried",
+            ),
             ("finished", status["finished"]),
-            ("failed with reason: poison", f"{poison_ok} of {poison_n} poison jobs; "
-                                           f"{t.poison_started} reached the engine"),
+            (
+                "failed with reason: poison",
+                f"{poison_ok} of {poison_n} poison jobs; {t.poison_started} reached the engine",
+            ),
             ("failed with reason: other", f"{len(failed) - poison_ok} {dict(others)}"),
             ("canceled", f"{status['canceled']}; asked (status then, end): {dict(asked)}"),
             ("lost (must be 0)", f"{len(lost)} {self.whereabouts(lost[:5]) if lost else ''}"),
             ("left in StartedJobRegistry (must be 0)", f"{len(started)} {started or ''}"),
-            ("listeners", f"{len(t.listened)} jobs, {t.chunks_seen} chunks, "
-                          f"{alive_listeners} still waiting, {t.listener_errors} errors"),
+            (
+                "listeners",
+                f"{len(t.listened)} jobs, {t.chunks_seen} chunks, "
+                f"{alive_listeners} still waiting, {t.listener_errors} errors",
+            ),
             ("duplicated chunks (must be 0)", t.duplicates),
             ("streamed text mismatches (must be 0)", t.mismatches),
             ("SIGTERM exit codes", t.sigterm_rcs),
@@ -454,23 +538,34 @@ class Soak:
         print()
         for k, v in rows:
             print(f"{k:>38} | {v}")
-        bad = {"lost": len(lost), "duplicates": t.duplicates, "mismatches": t.mismatches,
-               "poison not failed": poison_n - poison_ok, "poison started": t.poison_started,
-               "started registry": len(started), "listeners waiting": alive_listeners,
-               "listener errors": t.listener_errors, "queued cancels ignored": queued_not_canceled,
-               "SIGTERM exit != 0": sum(rc != 0 for rc in t.sigterm_rcs),
-               "workers died unasked": len(t.unexpected_exits)}
+        bad = {
+            "lost": len(lost),
+            "duplicates": t.duplicates,
+            "mismatches": t.mismatches,
+            "poison not failed": poison_n - poison_ok,
+            "poison started": t.poison_started,
+            "started registry": len(started),
+            "listeners waiting": alive_listeners,
+            "listener errors": t.listener_errors,
+            "queued cancels ignored": queued_not_canceled,
+            "SIGTERM exit != 0": sum(rc != 0 for rc in t.sigterm_rcs),
+            "workers died unasked": len(t.unexpected_exits),
+        }
         bad = {k: v for k, v in bad.items() if v}
         print(f"\n{'FAIL: ' + str(bad) if bad else 'PASS'}")
         return not bad
 
-
     def whereabouts(self, ids: list[str]) -> list[str]:
         """Where lost jobs are: their rq status and which worker's WIP list holds them."""
-        wips = {k.decode(): {i.decode() for i in self.c.r.lrange(k, 0, -1)}
-                for k in self.c.r.scan_iter(match=wip_key("*"))}
-        return [f"{i} {(self.c.r.hget(f'rq:job:{i}', 'status') or b'expired').decode()} in "
-                f"{[k for k, held in wips.items() if i in held]}" for i in ids]
+        wips = {
+            k.decode(): {i.decode() for i in self.c.r.lrange(k, 0, -1)}
+            for k in self.c.r.scan_iter(match=wip_key("*"))
+        }
+        return [
+            f"{i} {(self.c.r.hget(f'rq:job:{i}', 'status') or b'expired').decode()} in "
+            f"{[k for k, held in wips.items() if i in held]}"
+            for i in ids
+        ]
 
     def leftovers(self) -> list[tuple[str, Any]]:
         """Keys still in Redis after the TTLs, by prefix; those with no TTL never go."""
@@ -482,9 +577,11 @@ class Soak:
         prefix = [":".join(k.split(":")[:2]) for k in names]
         forever = Counter(p for p, ttl in zip(prefix, ttls, strict=True) if ttl == -1)
         cancels = self.c.r.scard(cancel_set(QUEUE))
-        return [("keys left after TTLs", f"{len(names)} {dict(Counter(prefix).most_common())}"),
-                ("of which without a TTL", f"{forever.total()} {dict(forever.most_common())}"),
-                ("ids left in the cancel set", cancels)]
+        return [
+            ("keys left after TTLs", f"{len(names)} {dict(Counter(prefix).most_common())}"),
+            ("of which without a TTL", f"{forever.total()} {dict(forever.most_common())}"),
+            ("ids left in the cancel set", cancels),
+        ]
 
 
 def main() -> int:
@@ -504,13 +601,16 @@ def main() -> int:
     t0, ok = time.monotonic(), False
     try:
         cluster.start_redis()
-        subprocess.run([MLXQ, "model", "tiny", str(cluster.model)], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [MLXQ, "model", "tiny", str(cluster.model)], check=True, stdout=subprocess.DEVNULL
+        )
         ok = Soak(cluster, args).run()
     finally:
         cluster.stop_all()
-        print(f"run time {time.monotonic() - t0:.0f}s; logs in {work}"
-              + ("" if args.keep or not ok else " (removed)"))
+        print(
+            f"run time {time.monotonic() - t0:.0f}s; logs in {work}"
+            + ("" if args.keep or not ok else " (removed)")
+        )
         if ok and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1

@@ -70,8 +70,9 @@ class AsyncJob:
             await pubsub.subscribe(keys.channel(self.id))
             while (action := follow.next()) != DONE:
                 if action == READ_LOG:
-                    out = follow.on_log(await r.xrange(keys.stream_key(self.id),
-                                                       min=f"0-{follow.after}"))
+                    out = follow.on_log(
+                        await r.xrange(keys.stream_key(self.id), min=f"0-{follow.after}")
+                    )
                 elif action == WAIT:
                     msg = await pubsub.get_message(timeout=follow.wait_s())
                     out = follow.on_message(None if msg is None else msg["data"])
@@ -98,11 +99,13 @@ class AsyncClient:
     """Submit and follow jobs from asyncio code; arguments as for
     :class:`~mlxq.producer.client.Client`."""
 
-    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
-                 **kw: Any) -> None:
+    def __init__(
+        self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", **kw: Any
+    ) -> None:
         self._sync = Client(redis_url, queue, **kw)
-        self.aredis = aioredis.Redis.from_url(redis_url, retry=Retry(backoff(), 2),
-                                              health_check_interval=30)
+        self.aredis = aioredis.Redis.from_url(
+            redis_url, retry=Retry(backoff(), 2), health_check_interval=30
+        )
         self.queue_name = queue
 
     async def submit(self, prompt: str | None = None, **kw: Any) -> AsyncJob:

@@ -15,18 +15,25 @@ from mlxq.worker import cli as worker_cli
 
 
 def _redis_url_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL", DEFAULT_REDIS_URL),
-                   help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s)")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("MLXQ_REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mlxq", description="A Redis job queue for LLM generation "
-                                 "on MLX.")
+    ap = argparse.ArgumentParser(
+        prog="mlxq", description="A Redis job queue for LLM generation on MLX."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     worker_cli.add_model_arguments(sub.add_parser("model", help="build models"))
-    worker_cli.add_worker_arguments(sub.add_parser(
-        "worker", help="run the MLX worker", description=worker_cli.WORKER_DESCRIPTION))
+    worker_cli.add_worker_arguments(
+        sub.add_parser(
+            "worker", help="run the MLX worker", description=worker_cli.WORKER_DESCRIPTION
+        )
+    )
 
     s = sub.add_parser("submit", help="submit one job; print its id or stream its text")
     s.add_argument("prompt")
@@ -47,8 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     _redis_url_arg(i)
 
-    gateway_cli.add_arguments(sub.add_parser(
-        "serve", help="serve the OpenAI-compatible HTTP API and the dashboard"))
+    gateway_cli.add_arguments(
+        sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the dashboard")
+    )
     return ap
 
 
@@ -62,8 +70,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     client = Client(args.redis_url, queue=args.queue)
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-              top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+    kw = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
     if args.chat:
         job = client.submit(messages=[{"role": "user", "content": args.prompt}], **kw)
     else:
@@ -76,8 +91,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if chunk.finish_reason:
             sys.stdout.write("\n")
-            print(f"[{job.id} finish_reason={chunk.finish_reason} usage={chunk.usage}]",
-                  file=sys.stderr)
+            print(
+                f"[{job.id} finish_reason={chunk.finish_reason} usage={chunk.usage}]",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -93,8 +110,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"model": _cmd_model, "worker": _cmd_worker, "submit": _cmd_submit,
-               "info": _cmd_info, "serve": gateway_cli.run}[args.command]
+    handler = {
+        "model": _cmd_model,
+        "worker": _cmd_worker,
+        "submit": _cmd_submit,
+        "info": _cmd_info,
+        "serve": gateway_cli.run,
+    }[args.command]
     try:
         return handler(args)
     except JobFailed as e:

@@ -35,9 +35,15 @@ MAX_REASON_BYTES = 64 * 1024
 SUBMIT_SLICE = 256
 
 _STATUS = {
-    "queued": "queued", "deferred": "queued", "scheduled": "queued", "created": "queued",
-    "started": "started", "finished": "finished", "failed": "failed",
-    "canceled": "canceled", "stopped": "canceled",
+    "queued": "queued",
+    "deferred": "queued",
+    "scheduled": "queued",
+    "created": "queued",
+    "started": "started",
+    "finished": "finished",
+    "failed": "failed",
+    "canceled": "canceled",
+    "stopped": "canceled",
 }
 
 
@@ -164,14 +170,16 @@ class Job:
             pubsub.subscribe(keys.channel(self.id))
             while (action := follow.next()) != DONE:
                 if action == READ_LOG:
-                    yield from follow.on_log(self._redis.xrange(
-                        keys.stream_key(self.id), min=f"0-{follow.after}"))
+                    yield from follow.on_log(
+                        self._redis.xrange(keys.stream_key(self.id), min=f"0-{follow.after}")
+                    )
                 elif action == WAIT:
                     msg = pubsub.get_message(timeout=follow.wait_s())
                     yield from follow.on_message(None if msg is None else msg["data"])
                 elif action == STATUS:
                     yield from follow.on_status(
-                        _status(self._redis.hget(keys.job_key(self.id), "status")))
+                        _status(self._redis.hget(keys.job_key(self.id), "status"))
+                    )
                 elif action == END:
                     yield from follow.on_end(*read_end(self._redis, self.id))
         finally:
@@ -228,8 +236,12 @@ def _status(raw: Any) -> str | None:
 def cancel_job(connection: redis.Redis, job_id: str) -> str:
     """Run the cancel script: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
     dt = datetime.now(timezone.utc)
-    out = scripts.call(connection, "cancel", [],
-                       [job_id, dt.timestamp(), utcformat(dt), keys.DEFAULT_FAILURE_TTL, NOTICE])
+    out = scripts.call(
+        connection,
+        "cancel",
+        [],
+        [job_id, dt.timestamp(), utcformat(dt), keys.DEFAULT_FAILURE_TTL, NOTICE],
+    )
     return out.decode() if isinstance(out, bytes) else str(out)
 
 
@@ -278,8 +290,14 @@ def end_of(raw_status: Any, fields: dict[bytes, bytes] | None) -> tuple[Any, ...
     if st == "finished":
         v = value_of(fields)
         if isinstance(v, Mapping):
-            return (st, v.get("text"), v.get("token_ids"), v.get("finish_reason"),
-                    v.get("usage"), None)
+            return (
+                st,
+                v.get("text"),
+                v.get("token_ids"),
+                v.get("finish_reason"),
+                v.get("usage"),
+                None,
+            )
     if st == "failed":
         return st, None, None, None, None, reason_of(fields)
     return st, None, None, None, None, None
@@ -370,10 +388,24 @@ class Client:
                 nothing reached Redis.
             QueueFull: the queue holds ``max_queued`` jobs.
         """
-        return self.submit_many([dict(prompt=prompt, messages=messages, max_tokens=max_tokens,
-                                      temperature=temperature, top_p=top_p, top_k=top_k,
-                                      min_p=min_p, stop=stop, seed=seed, metadata=metadata,
-                                      timeout=timeout, ttl=ttl)])[0]
+        return self.submit_many(
+            [
+                dict(
+                    prompt=prompt,
+                    messages=messages,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    min_p=min_p,
+                    stop=stop,
+                    seed=seed,
+                    metadata=metadata,
+                    timeout=timeout,
+                    ttl=ttl,
+                )
+            ]
+        )[0]
 
     def submit_many(self, jobs: Sequence[Mapping[str, Any]]) -> list[Job]:
         """Queue many jobs in one pipelined round trip; each map holds
@@ -409,7 +441,7 @@ class Client:
         # are still being sent.
         for i in range(0, len(datas), SUBMIT_SLICE):
             with self.redis.pipeline() as pipe:
-                rq_jobs = self._queue.enqueue_many(datas[i:i + SUBMIT_SLICE], pipeline=pipe)
+                rq_jobs = self._queue.enqueue_many(datas[i : i + SUBMIT_SLICE], pipeline=pipe)
                 pipe.execute()
             handles += [Job(self, j.id) for j in rq_jobs]
         return handles
@@ -422,8 +454,9 @@ class Client:
                     pipe.watch(self._queue.key)
                     queued = pipe.llen(self._queue.key)
                     if queued + len(datas) > cap:
-                        raise QueueFull(f"queue {self.queue_name!r} holds {queued} jobs "
-                                        f"(max_queued={cap})")
+                        raise QueueFull(
+                            f"queue {self.queue_name!r} holds {queued} jobs (max_queued={cap})"
+                        )
                     pipe.multi()
                     rq_jobs = self._queue.enqueue_many(datas, pipeline=pipe)
                     pipe.execute()

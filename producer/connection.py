@@ -21,7 +21,9 @@ T = TypeVar("T")
 
 #: What counts as Redis being away (restarting, unreachable, out of memory): retried.
 TRANSIENT: tuple[type[Exception], ...] = (
-    redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
     redis.exceptions.BusyLoadingError,
 )
 
@@ -55,18 +57,19 @@ class Outage:
     def failed(self, error: Exception) -> None:
         if self.since is None:
             self.since = time.monotonic()
-            self.log.warning("%s: redis unavailable (%s); retrying with backoff", self.what,
-                             error)
+            self.log.warning("%s: redis unavailable (%s); retrying with backoff", self.what, error)
 
     def ok(self) -> None:
         if self.since is not None:
-            self.log.warning("%s: redis back after %.1f s", self.what,
-                             time.monotonic() - self.since)
+            self.log.warning(
+                "%s: redis back after %.1f s", self.what, time.monotonic() - self.since
+            )
             self.since = None
 
 
-def retry_forever(do: Callable[[], T], outage: Outage,
-                  errors: tuple[type[Exception], ...] = TRANSIENT) -> T:
+def retry_forever(
+    do: Callable[[], T], outage: Outage, errors: tuple[type[Exception], ...] = TRANSIENT
+) -> T:
     """Call ``do`` until it succeeds, backing off on ``errors``; other errors propagate
     (so a caller stops a retry by raising its own)."""
     result = Retry(backoff(), -1, supported_errors=errors).call_with_retry(do, outage.failed)

@@ -33,8 +33,9 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
     """
     queues = {
         q.name: queue_counts(q)
-        for q in sorted(Queue.all(connection=connection, serializer=MsgpackSerializer),
-                        key=lambda q: q.name)
+        for q in sorted(
+            Queue.all(connection=connection, serializer=MsgpackSerializer), key=lambda q: q.name
+        )
     }
     workers = []
     for w in sorted(Worker.all(connection=connection), key=lambda w: w.name):
@@ -54,16 +55,21 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
 
 def render(doc: dict[str, Any]) -> str:
     """A terminal table of :func:`collect`'s document."""
-    lines = [f"{'queue':<20} {'queued':>7} {'started':>8} {'finished':>9} {'failed':>7} "
-             f"{'canceled':>9}"]
+    lines = [
+        f"{'queue':<20} {'queued':>7} {'started':>8} {'finished':>9} {'failed':>7} {'canceled':>9}"
+    ]
     for name, c in doc["queues"].items():
-        lines.append(f"{name:<20} {c['queued']:>7} {c['started']:>8} {c['finished']:>9} "
-                     f"{c['failed']:>7} {c['canceled']:>9}")
+        lines.append(
+            f"{name:<20} {c['queued']:>7} {c['started']:>8} {c['finished']:>9} "
+            f"{c['failed']:>7} {c['canceled']:>9}"
+        )
     lines.append("")
     lines.append(f"{len(doc['workers'])} worker(s)")
     for w in doc["workers"]:
         steps = w["decode_steps"]
         vec = f"{100 * w['vectorized_steps'] / steps:.0f}%" if steps else "-"
-        lines.append(f"  {w['name']} [{w['state']}] queue={w['queue']} model={w['model']} "
-                     f"tokens={w['tokens_generated']} steps={steps} vectorized={vec}")
+        lines.append(
+            f"  {w['name']} [{w['state']}] queue={w['queue']} model={w['model']} "
+            f"tokens={w['tokens_generated']} steps={steps} vectorized={vec}"
+        )
     return "\n".join(lines)

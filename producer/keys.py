@@ -148,10 +148,18 @@ def reaped_key(worker_name: str) -> str:
 def lua_header() -> str:
     """The key prefixes as Lua locals, prepended to every script: one source of names."""
     names = {
-        "JOB": RQ_JOB, "QUEUE": RQ_QUEUE, "RESULTS": results_key(""),
-        "EXECUTION": f"{RQ_KEY_PREFIX}:execution:", "EXECUTIONS": executions_key(""),
+        "JOB": RQ_JOB,
+        "QUEUE": RQ_QUEUE,
+        "RESULTS": results_key(""),
+        "EXECUTION": f"{RQ_KEY_PREFIX}:execution:",
+        "EXECUTIONS": executions_key(""),
         "CANCELED": canceled_registry(""),
-        "STREAM": STREAM, "CHANNEL": CHANNEL, "CANCEL_CHANNEL": CANCEL_CHANNEL, "WIP": WIP,
-        "ALIVE": ALIVE, "ROLL": ROLL, "REAPED": REAPED,
+        "STREAM": STREAM,
+        "CHANNEL": CHANNEL,
+        "CANCEL_CHANNEL": CANCEL_CHANNEL,
+        "WIP": WIP,
+        "ALIVE": ALIVE,
+        "ROLL": ROLL,
+        "REAPED": REAPED,
     }
     return "".join(f"local K_{k} = '{v}'\n" for k, v in names.items())

@@ -248,8 +248,21 @@ class GenerationRequest:
         v = payload.get("v")
         if type(v) is not int or v != PAYLOAD_VERSION:
             raise _bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
-        known = {"v", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
-                 "min_p", "seed", "stop", "metadata", "timeout", "ttl"}
+        known = {
+            "v",
+            "prompt",
+            "messages",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "stop",
+            "metadata",
+            "timeout",
+            "ttl",
+        }
         unknown = sorted(str(k) for k in payload if k not in known)
         if unknown:
             raise _bad("payload", unknown, "unknown fields")

@@ -18,8 +18,19 @@ import redis
 
 from mlxq.producer import keys
 
-NAMES = ("claim", "start", "chunks", "end", "fail", "release", "reap", "beat", "rejoin",
-         "refresh", "cancel")
+NAMES = (
+    "claim",
+    "start",
+    "chunks",
+    "end",
+    "fail",
+    "release",
+    "reap",
+    "beat",
+    "rejoin",
+    "refresh",
+    "cancel",
+)
 
 Arg = str | bytes | int | float
 
@@ -33,22 +44,25 @@ class Script:
 
 def _load(name: str) -> Script:
     folder = resources.files("mlxq.producer").joinpath("lua")
-    source = (keys.lua_header() + folder.joinpath("lib.lua").read_text("utf-8")
-              + folder.joinpath(f"{name}.lua").read_text("utf-8"))
+    source = (
+        keys.lua_header()
+        + folder.joinpath("lib.lua").read_text("utf-8")
+        + folder.joinpath(f"{name}.lua").read_text("utf-8")
+    )
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
 SCRIPTS: dict[str, Script] = {n: _load(n) for n in NAMES}
 
 
-def call(client: redis.Redis, name: str, keys_: Sequence[str | bytes],
-         args: Sequence[Arg]) -> Any:
+def call(client: redis.Redis, name: str, keys_: Sequence[str | bytes], args: Sequence[Arg]) -> Any:
     """Run one script by SHA, loading it first if Redis does not have it."""
     return run(client, [(name, keys_, args)])[0]
 
 
-def run(client: redis.Redis, calls: Sequence[tuple[str, Sequence[str | bytes], Sequence[Arg]]]
-        ) -> list[Any]:
+def run(
+    client: redis.Redis, calls: Sequence[tuple[str, Sequence[str | bytes], Sequence[Arg]]]
+) -> list[Any]:
     """Run several scripts in one round trip, in order; their replies in the same order.
 
     Raises:

@@ -115,9 +115,12 @@ class StreamCursor:
 
     def _latest_run(self, chunks: Sequence[Chunk]) -> Sequence[Chunk]:
         # Replayed text of a run that a later run superseded is never shown.
-        starts = [i for i, c in enumerate(chunks)
-                  if c.attempt > self.attempt and c.seq == first_seq(c.attempt)]
-        return chunks[starts[-1]:] if starts else chunks
+        starts = [
+            i
+            for i, c in enumerate(chunks)
+            if c.attempt > self.attempt and c.seq == first_seq(c.attempt)
+        ]
+        return chunks[starts[-1] :] if starts else chunks
 
 
 class Follow:
@@ -151,8 +154,9 @@ class Follow:
             try:
                 chunks.append(decode_chunk(fields[b"c"]))
             except (PayloadError, KeyError, TypeError):
-                log.warning("job %s: skipped log entry %r it cannot decode", self.cur.job_id,
-                            entry_id)
+                log.warning(
+                    "job %s: skipped log entry %r it cannot decode", self.cur.job_id, entry_id
+                )
         out = self.cur.accept(chunks, from_log=True)
         self._action = END if self._ending else STATUS
         return out
@@ -184,9 +188,15 @@ class Follow:
             self._action = WAIT
         return []
 
-    def on_end(self, status: str | None, text: str | None, token_ids: Sequence[int] | None,
-               finish_reason: str | None, usage: dict[str, int] | None,
-               reason: str | None) -> list[Chunk]:
+    def on_end(
+        self,
+        status: str | None,
+        text: str | None,
+        token_ids: Sequence[int] | None,
+        finish_reason: str | None,
+        usage: dict[str, int] | None,
+        reason: str | None,
+    ) -> list[Chunk]:
         """Close a stream whose job ended without (readable) last chunk: canceled before
         it ran, or its log expired. ``text`` etc. are its result's, when finished.
 
@@ -197,8 +207,11 @@ class Follow:
         cur = self.cur
         cur.done = True
         if cur.gap:
-            raise StreamGap(cur.job_id, f"its stream lacks chunks after seq {cur.last}: "
-                            "they were lost or refused (read result() for the whole text)")
+            raise StreamGap(
+                cur.job_id,
+                f"its stream lacks chunks after seq {cur.last}: "
+                "they were lost or refused (read result() for the whole text)",
+            )
         if status is None:
             raise JobFailed(cur.job_id, "job expired or never existed")
         if status == "failed":
@@ -206,6 +219,13 @@ class Follow:
         if status == "canceled":
             return [Chunk(seq=cur.last + 1, finish_reason="canceled", attempt=cur.attempt)]
         text, ids = text or "", list(token_ids or ())
-        return [Chunk(seq=cur.last + 1, text=text[len(cur.text):], token_ids=ids[cur.num_tokens:],
-                      finish_reason=finish_reason or "stop", usage=usage,
-                      attempt=cur.attempt)]
+        return [
+            Chunk(
+                seq=cur.last + 1,
+                text=text[len(cur.text) :],
+                token_ids=ids[cur.num_tokens :],
+                finish_reason=finish_reason or "stop",
+                usage=usage,
+                attempt=cur.attempt,
+            )
+        ]

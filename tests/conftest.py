@@ -32,8 +32,11 @@ class RedisServer:
             pytest.fail("redis-server not found: install Redis (e.g. apt-get install redis-server)")
         self.exe, self.workdir, self.port = exe, workdir, _free_port()
         # A persistent server (AOF, fsync always) keeps its data across restart().
-        self.persistence = (["--appendonly", "yes", "--appendfsync", "always"] if persist
-                            else ["--appendonly", "no"])
+        self.persistence = (
+            ["--appendonly", "yes", "--appendfsync", "always"]
+            if persist
+            else ["--appendonly", "no"]
+        )
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -43,9 +46,21 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *self.persistence, "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                *self.persistence,
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port)
         for _ in range(200):
             try:
@@ -104,14 +119,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class WorkerProcess:
     """``mlxq worker`` as a real process, with its log kept for failures."""
 
-    def __init__(self, args: list[str], log: Path, redis_url: str, queue: str,
-                 name: str | None = None) -> None:
+    def __init__(
+        self, args: list[str], log: Path, redis_url: str, queue: str, name: str | None = None
+    ) -> None:
         self.log, self.name = log, name
         self.redis = redis.Redis.from_url(redis_url)
         self.queue = queue
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlxq.producer.cli", "worker", *args],
-                                     stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxq.producer.cli", "worker", *args],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def wait_ready(self, timeout: float = 60) -> None:
         from rq import Worker
@@ -120,8 +140,9 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.output()}")
-            names = {w.name for w in Worker.all(connection=self.redis)
-                     if self.queue in w.queue_names()}
+            names = {
+                w.name for w in Worker.all(connection=self.redis) if self.queue in w.queue_names()
+            }
             if (self.name in names) if self.name else names:
                 return
             time.sleep(0.05)
@@ -148,17 +169,31 @@ WorkerFactory = Callable[..., WorkerProcess]
 
 
 @pytest.fixture
-def start_worker(redis_server: RedisServer, tiny_model: Path, tmp_path: Path,
-                 queue_name: str) -> Iterator[WorkerFactory]:
+def start_worker(
+    redis_server: RedisServer, tiny_model: Path, tmp_path: Path, queue_name: str
+) -> Iterator[WorkerFactory]:
     """Start real workers: ``start_worker(max_batch=8, window_ms=50)``."""
     started: list[WorkerProcess] = []
 
-    def start(queue: str | None = None, ready: bool = True, redis_url: str | None = None,
-              model: Path | None = None, **opts: object) -> WorkerProcess:
+    def start(
+        queue: str | None = None,
+        ready: bool = True,
+        redis_url: str | None = None,
+        model: Path | None = None,
+        **opts: object,
+    ) -> WorkerProcess:
         q, url = queue or queue_name, redis_url or redis_server.url
         name = f"w{len(started)}-{uuid.uuid4().hex[:8]}"
-        args = ["--model", str(model or tiny_model), "--redis-url", url, "--queue", q,
-                "--name", name]
+        args = [
+            "--model",
+            str(model or tiny_model),
+            "--redis-url",
+            url,
+            "--queue",
+            q,
+            "--name",
+            name,
+        ]
         for k, v in opts.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         w = WorkerProcess(args, tmp_path / f"worker{len(started)}.log", url, q, name)
@@ -183,8 +218,12 @@ class GatewayProcess:
             args += [f"--{k.replace('_', '-')}", str(v)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("MLXQ_API_KEY", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlxq.producer.cli", "serve", *args],
-                                     stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxq.producer.cli", "serve", *args],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def wait_ready(self, timeout: float = 30) -> GatewayProcess:
         import urllib.error
@@ -226,8 +265,9 @@ def start_gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[Gateway
     started: list[GatewayProcess] = []
 
     def start(redis_url: str | None = None, **opts: object) -> GatewayProcess:
-        g = GatewayProcess(redis_url or redis_server.url, tmp_path / f"gateway{len(started)}.log",
-                           **opts)
+        g = GatewayProcess(
+            redis_url or redis_server.url, tmp_path / f"gateway{len(started)}.log", **opts
+        )
         started.append(g)
         return g.wait_ready()
 

@@ -27,8 +27,9 @@ def _client(redis_server, queue_name, **kw) -> Client:
 
 def test_stream_live_equals_result(redis_server, queue_name, start_worker):
     start_worker()
-    job = _client(redis_server, queue_name).submit("The quick brown fox", max_tokens=24,
-                                                   temperature=0.8, top_p=0.9)
+    job = _client(redis_server, queue_name).submit(
+        "The quick brown fox", max_tokens=24, temperature=0.8, top_p=0.9
+    )
     chunks = list(job.stream(timeout=60))
     res = job.result(timeout=10)
     assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
@@ -42,8 +43,7 @@ def test_stream_live_equals_result(redis_server, queue_name, start_worker):
     assert job.status() == "finished"
 
 
-def test_late_and_concurrent_listeners_see_every_chunk_once(redis_server, queue_name,
-                                                            start_worker):
+def test_late_and_concurrent_listeners_see_every_chunk_once(redis_server, queue_name, start_worker):
     start_worker()
     client = _client(redis_server, queue_name)
     job = client.submit("Once upon a time", max_tokens=40, temperature=1.0)
@@ -64,8 +64,9 @@ def test_late_and_concurrent_listeners_see_every_chunk_once(redis_server, queue_
     assert "".join(t for _, t in late) == res.text
 
 
-def test_greedy_is_deterministic_and_matches_mlx_lm(redis_server, queue_name, start_worker,
-                                                    tiny_model):
+def test_greedy_is_deterministic_and_matches_mlx_lm(
+    redis_server, queue_name, start_worker, tiny_model
+):
     from mlx_lm import generate, load
 
     start_worker()
@@ -90,21 +91,24 @@ def test_chat_messages_use_the_template(redis_server, queue_name, start_worker, 
     assert res.usage["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    (dict(prompt="x", temperature=-0.1), "temperature=-0.1"),
-    (dict(prompt="x", top_p=0.0), "top_p=0.0"),
-    (dict(prompt="x", top_p=1.5), "top_p=1.5"),
-    (dict(prompt="x", top_k=-1), "top_k=-1"),
-    (dict(prompt="x", min_p=2.0), "min_p=2.0"),
-    (dict(prompt="x", max_tokens=0), "max_tokens=0"),
-    (dict(prompt="x", max_tokens=10**9), "max_tokens=1000000000"),
-    (dict(prompt=""), "prompt=''"),
-    (dict(prompt="x", messages=[{"role": "user", "content": "y"}]), "prompt='x'"),
-    (dict(), "prompt=None"),
-    (dict(messages=[{"role": "robot", "content": "y"}]), "messages[0].role='robot'"),
-    (dict(prompt="x", seed=-3), "seed=-3"),
-    (dict(prompt="x", stop=[""]), "stop=''"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(prompt="x", temperature=-0.1), "temperature=-0.1"),
+        (dict(prompt="x", top_p=0.0), "top_p=0.0"),
+        (dict(prompt="x", top_p=1.5), "top_p=1.5"),
+        (dict(prompt="x", top_k=-1), "top_k=-1"),
+        (dict(prompt="x", min_p=2.0), "min_p=2.0"),
+        (dict(prompt="x", max_tokens=0), "max_tokens=0"),
+        (dict(prompt="x", max_tokens=10**9), "max_tokens=1000000000"),
+        (dict(prompt=""), "prompt=''"),
+        (dict(prompt="x", messages=[{"role": "user", "content": "y"}]), "prompt='x'"),
+        (dict(), "prompt=None"),
+        (dict(messages=[{"role": "robot", "content": "y"}]), "messages[0].role='robot'"),
+        (dict(prompt="x", seed=-3), "seed=-3"),
+        (dict(prompt="x", stop=[""]), "stop=''"),
+    ],
+)
 def test_submit_refuses_bad_values_before_redis(redis_server, queue_name, kwargs, field):
     client = _client(redis_server, queue_name)
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("(", r"\(")):
@@ -115,8 +119,9 @@ def test_submit_refuses_bad_values_before_redis(redis_server, queue_name, kwargs
 def test_rq_registries_stay_true_while_batching(redis_server, queue_name, start_worker, r):
     start_worker(max_batch=4)
     client = _client(redis_server, queue_name)
-    jobs = client.submit_many([dict(prompt=f"Job number {i}", max_tokens=48,
-                                    temperature=0.7) for i in range(10)])
+    jobs = client.submit_many(
+        [dict(prompt=f"Job number {i}", max_tokens=48, temperature=0.7) for i in range(10)]
+    )
     q = Queue(queue_name, connection=r, serializer=MsgpackSerializer)
     peak_started = 0
     while any(j.status() not in ("finished", "failed") for j in jobs):
@@ -131,8 +136,12 @@ def test_rq_registries_stay_true_while_batching(redis_server, queue_name, start_
         rj = RqJob.fetch(j.id, connection=r, serializer=MsgpackSerializer)
         assert rj.get_status() == "finished"
         assert rj.return_value()["text"] == j.result().text
-    out = subprocess.run([sys.executable, "-m", "rq.cli", "info", "--url", redis_server.url,
-                          queue_name], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "rq.cli", "info", "--url", redis_server.url, queue_name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert queue_name in out.stdout and "1 workers" in out.stdout, out.stdout + out.stderr
 
 
@@ -162,10 +171,16 @@ def test_jobs_join_a_running_batch(redis_server, queue_name, start_worker):
 def test_mixed_params_keep_every_step_vectorized(redis_server, queue_name, start_worker):
     start_worker(max_batch=16, window_ms=200)
     client = _client(redis_server, queue_name)
-    groups = [dict(), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=5),
-              dict(temperature=1.2, min_p=0.1), dict(temperature=0.8, seed=7)]
-    jobs = client.submit_many([dict(prompt=f"mix {i}", max_tokens=12, **groups[i % 5])
-                               for i in range(30)])
+    groups = [
+        dict(),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.2, min_p=0.1),
+        dict(temperature=0.8, seed=7),
+    ]
+    jobs = client.submit_many(
+        [dict(prompt=f"mix {i}", max_tokens=12, **groups[i % 5]) for i in range(30)]
+    )
     for j in jobs:
         j.result(timeout=60)
     stats = _worker_stats(redis_server, queue_name)
@@ -174,8 +189,9 @@ def test_mixed_params_keep_every_step_vectorized(redis_server, queue_name, start
     assert stats["sampler_calls"] == stats["decode_steps"]
 
 
-def test_rogue_payloads_fail_with_a_reason_and_the_worker_goes_on(redis_server, queue_name,
-                                                                  start_worker, r):
+def test_rogue_payloads_fail_with_a_reason_and_the_worker_goes_on(
+    redis_server, queue_name, start_worker, r
+):
     import pickle
 
     q = Queue(queue_name, connection=r)  # rq's default serializer: pickle
@@ -241,30 +257,79 @@ def test_info_json_contract(redis_server, queue_name, start_worker):
     start_worker()
     _client(redis_server, queue_name).submit("info", max_tokens=4).result(timeout=60)
     time.sleep(1.5)  # stats are published about once a second
-    out = subprocess.run([sys.executable, "-m", "mlxq.producer.cli", "info", "--json",
-                          "--redis-url", redis_server.url], capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxq.producer.cli",
+            "info",
+            "--json",
+            "--redis-url",
+            redis_server.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     doc = json.loads(out.stdout)
-    assert set(doc["queues"][queue_name]) == {"queued", "started", "finished", "failed",
-                                              "canceled"}
+    assert set(doc["queues"][queue_name]) == {"queued", "started", "finished", "failed", "canceled"}
     assert doc["queues"][queue_name]["finished"] == 1
     (w,) = [w for w in doc["workers"] if w["queue"] == queue_name]
-    for k, t in (("name", str), ("state", str), ("queue", str), ("model", str),
-                 ("decode_steps", int), ("vectorized_steps", int), ("tokens_generated", int)):
+    for k, t in (
+        ("name", str),
+        ("state", str),
+        ("queue", str),
+        ("model", str),
+        ("decode_steps", int),
+        ("vectorized_steps", int),
+        ("tokens_generated", int),
+    ):
         assert isinstance(w[k], t), k
     assert w["tokens_generated"] > 0
 
 
 def test_cli_submit_streams(redis_server, queue_name, start_worker):
     start_worker()
-    out = subprocess.run([sys.executable, "-m", "mlxq.producer.cli", "submit", "Hello",
-                          "--max-tokens", "8", "--stream", "--redis-url", redis_server.url,
-                          "--queue", queue_name, "--timeout", "60"],
-                         capture_output=True, text=True, timeout=90, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxq.producer.cli",
+            "submit",
+            "Hello",
+            "--max-tokens",
+            "8",
+            "--stream",
+            "--redis-url",
+            redis_server.url,
+            "--queue",
+            queue_name,
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=True,
+    )
     assert "finish_reason=" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "mlxq.producer.cli", "submit", "x",
-                          "--top-p", "3", "--redis-url", redis_server.url],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxq.producer.cli",
+            "submit",
+            "x",
+            "--top-p",
+            "3",
+            "--redis-url",
+            redis_server.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "top_p=3.0" in bad.stderr
 
 
@@ -280,8 +345,9 @@ def _worker_stats(redis_server, queue_name) -> dict:
     raise AssertionError("no stats from the worker")
 
 
-def test_mixed_param_groups_each_follow_their_own_distribution(redis_server, queue_name,
-                                                               start_worker, tiny_model):
+def test_mixed_param_groups_each_follow_their_own_distribution(
+    redis_server, queue_name, start_worker, tiny_model
+):
     """A few hundred one-token jobs, five param groups at once: each group's first tokens
     follow mlx-lm's distribution for its params, and every decode step was one call."""
     import mlx.core as mx
@@ -293,8 +359,18 @@ def test_mixed_param_groups_each_follow_their_own_distribution(redis_server, que
     prompt, per_group = "The weather today", 80
     client = Client(redis_server.url, queue=queue_name)
     # Interleaved, so batches mix the groups.
-    specs = [dict(prompt=prompt, max_tokens=1, temperature=p.temperature, top_p=p.top_p,
-                  top_k=p.top_k, min_p=p.min_p) for _ in range(per_group) for p in MIXED]
+    specs = [
+        dict(
+            prompt=prompt,
+            max_tokens=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+        )
+        for _ in range(per_group)
+        for p in MIXED
+    ]
     jobs = client.submit_many(specs)
     model, tok = load(str(tiny_model))
     eos = min(tok.eos_token_ids)
@@ -302,7 +378,7 @@ def test_mixed_param_groups_each_follow_their_own_distribution(redis_server, que
     logits = model(mx.array([tok.encode(prompt)]))[0, -1]
     logprobs = np.array(logits - mx.logsumexp(logits), dtype=np.float32)
     for g, params in enumerate(MIXED):
-        counts = np.bincount(first[g::len(MIXED)], minlength=logprobs.shape[-1])
+        counts = np.bincount(first[g :: len(MIXED)], minlength=logprobs.shape[-1])
         assert_fits(counts, reference(logprobs, params))
     stats = _worker_stats(redis_server, queue_name)
     assert stats["vectorized_steps"] == stats["decode_steps"] > 0

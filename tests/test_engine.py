@@ -32,8 +32,9 @@ def _job(engine: Engine, name: str, req: GenerationRequest) -> Job:
     return job
 
 
-def _run(engine: Engine, jobs: dict[str, GenerationRequest], *, remove_after=None,
-         add_later=None) -> dict[str, list[int]]:
+def _run(
+    engine: Engine, jobs: dict[str, GenerationRequest], *, remove_after=None, add_later=None
+) -> dict[str, list[int]]:
     """Run jobs to the end; optionally remove some after N steps and add others then."""
     records = {j: _job(engine, j, req) for j, req in jobs.items()}
     engine.add(list(records.values()))
@@ -61,9 +62,12 @@ def test_rows_keep_their_own_params_through_remove_then_extend(loaded):
     newcomer = _req("The harbour at dawn", 24)  # greedy: any stale row state would show
     late_seeded = _req("Late arrival", 16, temperature=0.9, top_p=0.95, seed=99)
     engine = _engine(loaded)
-    got = _run(engine, {"greedy": greedy, "seeded": seeded, "hot": hot},
-               remove_after=(5, ["hot"]),
-               add_later=(6, {"new": newcomer, "late": late_seeded}))
+    got = _run(
+        engine,
+        {"greedy": greedy, "seeded": seeded, "hot": hot},
+        remove_after=(5, ["hot"]),
+        add_later=(6, {"new": newcomer, "late": late_seeded}),
+    )
     assert got["greedy"] == _solo(loaded, "g", greedy)
     assert got["seeded"] == _solo(loaded, "s", seeded)
     assert got["new"] == _solo(loaded, "n", newcomer)
@@ -73,8 +77,9 @@ def test_rows_keep_their_own_params_through_remove_then_extend(loaded):
 
 
 def test_rows_finishing_at_different_steps_stay_aligned(loaded):
-    jobs = {f"j{i}": _req(f"Prompt number {i}", 3 + 5 * i, seed=i, temperature=0.8)
-            for i in range(5)}
+    jobs = {
+        f"j{i}": _req(f"Prompt number {i}", 3 + 5 * i, seed=i, temperature=0.8) for i in range(5)
+    }
     got = _run(_engine(loaded), jobs)
     for name, req in jobs.items():
         assert got[name] == _solo(loaded, name, req)

@@ -54,8 +54,12 @@ def _wait_running(jobs: list[Job], n: int, timeout: float = 60) -> None:
 
 def _long_jobs(client: Client, n: int, tokens: int = 1500) -> list[Job]:
     # Seeded, so whether a random model happens to stop early is the same on every run.
-    return client.submit_many([dict(prompt=f"A long tale, part {i}", max_tokens=tokens,
-                                    temperature=1.0, seed=i) for i in range(n)])
+    return client.submit_many(
+        [
+            dict(prompt=f"A long tale, part {i}", max_tokens=tokens, temperature=1.0, seed=i)
+            for i in range(n)
+        ]
+    )
 
 
 def _assert_registries_clean(r: redis.Redis, queue: str) -> None:
@@ -68,8 +72,7 @@ def _attempts(r: redis.Redis, job: Job) -> int:
     return int(r.hget(f"rq:job:{job.id}", "mlxq_attempt") or 0)
 
 
-def test_kill9_mid_batch_requeues_and_restart_finishes(redis_server, queue_name,
-                                                       start_worker, r):
+def test_kill9_mid_batch_requeues_and_restart_finishes(redis_server, queue_name, start_worker, r):
     w = start_worker(max_batch=8)
     client = Client(redis_server.url, queue=queue_name)
     jobs = _long_jobs(client, 6)
@@ -90,8 +93,9 @@ def test_kill9_mid_batch_requeues_and_restart_finishes(redis_server, queue_name,
     _assert_registries_clean(r, queue_name)
 
 
-def test_a_frozen_worker_is_reaped_by_another_and_drops_its_jobs(redis_server, queue_name,
-                                                                 start_worker, r):
+def test_a_frozen_worker_is_reaped_by_another_and_drops_its_jobs(
+    redis_server, queue_name, start_worker, r
+):
     a = start_worker(max_batch=4)
     client = Client(redis_server.url, queue=queue_name)
     jobs = _long_jobs(client, 4, tokens=2000)
@@ -167,13 +171,13 @@ def test_dropped_connections(redis_server, queue_name, start_worker, r):
     assert all(_attempts(r, j) == 1 for j in jobs), "dropped connections rerun nothing"
 
 
-def test_two_workers_share_a_queue_and_run_no_job_twice(redis_server, queue_name,
-                                                        start_worker, r):
+def test_two_workers_share_a_queue_and_run_no_job_twice(redis_server, queue_name, start_worker, r):
     start_worker(max_batch=4, window_ms=0)
     start_worker(max_batch=4, window_ms=0)
     client = Client(redis_server.url, queue=queue_name)
-    jobs = client.submit_many([dict(prompt=f"job {i}", max_tokens=200, temperature=0.9)
-                               for i in range(24)])
+    jobs = client.submit_many(
+        [dict(prompt=f"job {i}", max_tokens=200, temperature=0.9) for i in range(24)]
+    )
     for j in jobs:
         j.result(timeout=120)
     assert all(_attempts(r, j) == 1 for j in jobs)
@@ -228,8 +232,9 @@ sys.exit(Worker(WorkerConfig(model=model_path, redis_url=url, queue=queue,
 """
 
 
-def test_poison_job_fails_alone_and_the_batch_goes_on(redis_server, queue_name, tiny_model,
-                                                      tmp_path: Path, r):
+def test_poison_job_fails_alone_and_the_batch_goes_on(
+    redis_server, queue_name, tiny_model, tmp_path: Path, r
+):
     import subprocess
 
     from conftest import WorkerProcess
@@ -238,8 +243,11 @@ def test_poison_job_fails_alone_and_the_batch_goes_on(redis_server, queue_name, 
     script.write_text(POISON_LAUNCHER)
     w = WorkerProcess([], tmp_path / "poison.log", redis_server.url, queue_name)
     w.proc.kill()
-    w.proc = subprocess.Popen([sys.executable, str(script), str(tiny_model), redis_server.url,
-                               queue_name], stdout=w.log.open("wb"), stderr=subprocess.STDOUT)
+    w.proc = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_model), redis_server.url, queue_name],
+        stdout=w.log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         w.wait_ready()
         client = Client(redis_server.url, queue=queue_name)
@@ -258,8 +266,9 @@ def test_poison_job_fails_alone_and_the_batch_goes_on(redis_server, queue_name, 
         assert w.stop() == 0, w.output()
 
 
-def test_a_chat_template_error_fails_that_job_alone(redis_server, queue_name, start_worker,
-                                                    tiny_model, tmp_path: Path):
+def test_a_chat_template_error_fails_that_job_alone(
+    redis_server, queue_name, start_worker, tiny_model, tmp_path: Path
+):
     import json
     import shutil
 
@@ -268,17 +277,20 @@ def test_a_chat_template_error_fails_that_job_alone(redis_server, queue_name, st
     cfg_path = strict / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     # Many real templates refuse some conversations; this one refuses tool turns.
-    cfg["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
-                            "{{ raise_exception('tool turns are not supported') }}"
-                            "{% endif %}{% endfor %}" + cfg["chat_template"])
+    cfg["chat_template"] = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('tool turns are not supported') }}"
+        "{% endif %}{% endfor %}" + cfg["chat_template"]
+    )
     cfg_path.write_text(json.dumps(cfg))
     start_worker(model=strict)
     client = Client(redis_server.url, queue=queue_name)
     good = client.submit(messages=[{"role": "user", "content": "hello"}], max_tokens=8)
-    bad = client.submit(messages=[{"role": "user", "content": "hi"},
-                                  {"role": "tool", "content": "{}"}], max_tokens=8)
+    bad = client.submit(
+        messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}],
+        max_tokens=8,
+    )
     with pytest.raises(JobFailed, match="tool turns are not supported"):
         bad.result(timeout=60)
     assert good.result(timeout=60).token_ids
     assert client.submit("still serving", max_tokens=3).result(timeout=60).token_ids
-

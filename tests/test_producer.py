@@ -17,17 +17,21 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 
 
 def test_producer_imports_no_mlx():
-    code = ("import sys, mlxq.producer, mlxq.producer.cli; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, mlxq.producer, mlxq.producer.cli; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_worker_without_mlx_says_what_to_install():
     # Hide MLX from this interpreter, as on a producer-only install.
-    code = ("import sys; sys.modules['mlx'] = None; sys.modules['mlx.core'] = None; "
-            "sys.modules['mlx_lm'] = None; from mlxq.producer.cli import main; "
-            "sys.exit(main(['worker', '--model', 'x']))")
+    code = (
+        "import sys; sys.modules['mlx'] = None; sys.modules['mlx.core'] = None; "
+        "sys.modules['mlx_lm'] = None; from mlxq.producer.cli import main; "
+        "sys.exit(main(['worker', '--model', 'x']))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "pip install 'mlxq[worker]'" in out.stderr
@@ -35,8 +39,10 @@ def test_worker_without_mlx_says_what_to_install():
 
 def test_a_real_import_bug_is_not_reported_as_a_missing_extra():
     # MLX is there; one of mlxq's own modules is broken: say so, not "pip install".
-    code = ("import sys; sys.modules['mlxq.worker.sink'] = None; "
-            "from mlxq.producer.cli import main; sys.exit(main(['worker', '--model', 'x']))")
+    code = (
+        "import sys; sys.modules['mlxq.worker.sink'] = None; "
+        "from mlxq.producer.cli import main; sys.exit(main(['worker', '--model', 'x']))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "pip install" not in out.stderr and "mlxq.worker.sink" in out.stderr
@@ -45,24 +51,32 @@ def test_a_real_import_bug_is_not_reported_as_a_missing_extra():
 def test_worker_help_shows_the_real_defaults_without_mlx():
     from mlxq.worker import config
 
-    code = ("import sys; sys.modules['mlx'] = None; sys.modules['mlx_lm'] = None; "
-            "import runpy; sys.argv = ['mlxq.worker', '--help']; "
-            "runpy.run_module('mlxq.worker', run_name='__main__')")
+    code = (
+        "import sys; sys.modules['mlx'] = None; sys.modules['mlx_lm'] = None; "
+        "import runpy; sys.argv = ['mlxq.worker', '--help']; "
+        "runpy.run_module('mlxq.worker', run_name='__main__')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "continuous batches" in text
-    for flag, default in (("--window-ms", config.DEFAULT_WINDOW_MS),
-                          ("--max-batch", config.DEFAULT_MAX_BATCH),
-                          ("--stream-interval-ms", config.DEFAULT_STREAM_INTERVAL_MS),
-                          ("--grace-s", config.DEFAULT_GRACE_S)):
+    for flag, default in (
+        ("--window-ms", config.DEFAULT_WINDOW_MS),
+        ("--max-batch", config.DEFAULT_MAX_BATCH),
+        ("--stream-interval-ms", config.DEFAULT_STREAM_INTERVAL_MS),
+        ("--grace-s", config.DEFAULT_GRACE_S),
+    ):
         assert flag in text and f"(default: {default}" in text, flag
 
 
 def test_payload_round_trip():
-    req = GenerationRequest(messages=({"role": "user", "content": "hi"},), max_tokens=9,
-                            sampling=SamplingParams(0.7, 0.9, 40, 0.05, seed=3),
-                            stop=("\n\n",), metadata={"k": [1, 2]})
+    req = GenerationRequest(
+        messages=({"role": "user", "content": "hi"},),
+        max_tokens=9,
+        sampling=SamplingParams(0.7, 0.9, 40, 0.05, seed=3),
+        stop=("\n\n",),
+        metadata={"k": [1, 2]},
+    )
     wire = msgpack.unpackb(msgpack.packb(req.to_payload()))
     assert GenerationRequest.from_payload(wire) == req
 
@@ -73,15 +87,32 @@ def test_greedy_params_share_one_key_and_seed_never_splits_a_batch():
 
 
 json_like = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
-    max_leaves=12)
-fields = st.fixed_dictionaries({"v": st.just(1)}, optional={
-    "prompt": json_like, "messages": json_like, "max_tokens": json_like,
-    "temperature": json_like, "top_p": json_like, "top_k": json_like, "min_p": json_like,
-    "seed": json_like, "stop": json_like, "metadata": json_like})
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+fields = st.fixed_dictionaries(
+    {"v": st.just(1)},
+    optional={
+        "prompt": json_like,
+        "messages": json_like,
+        "max_tokens": json_like,
+        "temperature": json_like,
+        "top_p": json_like,
+        "top_k": json_like,
+        "min_p": json_like,
+        "seed": json_like,
+        "stop": json_like,
+        "metadata": json_like,
+    },
+)
 
 
 @given(st.one_of(json_like, fields))

@@ -201,8 +201,9 @@ def test_tokens_stay_in_the_reference_support(
 ) -> None:
     params = data.draw(st.lists(_params(), min_size=1, max_size=6))
     # Distinct logits 0.05 apart: ties would make mlx-lm's own top_k choice arbitrary.
-    ints = data.draw(st.lists(st.permutations(range(vocab)), min_size=len(params),
-                              max_size=len(params)))
+    ints = data.draw(
+        st.lists(st.permutations(range(vocab)), min_size=len(params), max_size=len(params))
+    )
     x = np.array(ints, dtype=np.float64) * data.draw(st.sampled_from([0.05, 0.5, 3.0]))
     x = (x - np.log(np.exp(x).sum(-1, keepdims=True))).astype(np.float32)
     reps = 50

@@ -63,8 +63,21 @@ def own_redis(workdir: Path, url: str, *args: str) -> Iterator[None]:
     log = workdir / "redis.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir),
-             *args], stdout=out, stderr=subprocess.STDOUT)
+            [
+                exe,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         client = redis.Redis.from_url(url, socket_timeout=5)
         for _ in range(400):
@@ -127,21 +140,37 @@ def run_one_job(url: str, queue: str) -> str:
 def test_acl_credentials_in_the_url(tmp_path, spawn, queue_name):
     port = _free_port()
     good = f"redis://alice:{PASSWORD}@127.0.0.1:{port}/0"
-    acl = ["--port", str(port), "--user", "default", "off",
-           "--user", "alice", "on", f">{PASSWORD}", "~*", "&*", "+@all"]
+    acl = [
+        "--port",
+        str(port),
+        "--user",
+        "default",
+        "off",
+        "--user",
+        "alice",
+        "on",
+        f">{PASSWORD}",
+        "~*",
+        "&*",
+        "+@all",
+    ]
     with own_redis(tmp_path / "acl", good, *acl):
         # The server really demands them: anonymous and wrong-password clients are refused.
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, socket_timeout=5).ping()
 
         # A worker with a wrong password, started beside a good one (both load the model).
-        bad_worker = spawn(f"redis://alice:{WRONG_PASSWORD}@127.0.0.1:{port}/0", queue_name,
-                           ready=False)
+        bad_worker = spawn(
+            f"redis://alice:{WRONG_PASSWORD}@127.0.0.1:{port}/0", queue_name, ready=False
+        )
         worker = spawn(good, queue_name)
         run_one_job(good, queue_name)
 
-        for bad in (f"redis://alice:{WRONG_PASSWORD}@127.0.0.1:{port}/0",
-                    f"redis://127.0.0.1:{port}/0", f"redis://:{PASSWORD}@127.0.0.1:{port}/0"):
+        for bad in (
+            f"redis://alice:{WRONG_PASSWORD}@127.0.0.1:{port}/0",
+            f"redis://127.0.0.1:{port}/0",
+            f"redis://:{PASSWORD}@127.0.0.1:{port}/0",
+        ):
             client = Client(bad, queue=queue_name)
             t0 = time.monotonic()
             with pytest.raises(redis.AuthenticationError):
@@ -191,13 +220,57 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True, timeout=60)
 
-    run("req", "-x509", "-new", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-        "-config", "openssl.cnf", "-extensions", "v3_ca", "-subj", "/CN=mlxq throwaway CA")
-    run("req", "-new", *ec, "-keyout", "server.key", "-out", "server.csr", "-config",
-        "openssl.cnf", "-subj", "/CN=127.0.0.1")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial",
-        "1", "-days", "1", "-out", "server.pem", "-extfile", "openssl.cnf", "-extensions",
-        "v3_srv")
+    run(
+        "req",
+        "-x509",
+        "-new",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-config",
+        "openssl.cnf",
+        "-extensions",
+        "v3_ca",
+        "-subj",
+        "/CN=mlxq throwaway CA",
+    )
+    run(
+        "req",
+        "-new",
+        *ec,
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-config",
+        "openssl.cnf",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-set_serial",
+        "1",
+        "-days",
+        "1",
+        "-out",
+        "server.pem",
+        "-extfile",
+        "openssl.cnf",
+        "-extensions",
+        "v3_srv",
+    )
     return d / "ca.pem", d / "server.pem", d / "server.key"
 
 
@@ -206,8 +279,20 @@ def test_tls_end_to_end(tmp_path, spawn, queue_name):
     ca, cert, key = make_certs(tmp_path / "pki")
     port = _free_port()
     url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={quote(str(ca))}"
-    tls = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
-           "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+    tls = [
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(ca),
+        "--tls-auth-clients",
+        "no",
+    ]
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(own_redis(tmp_path / "tls", url, *tls))
@@ -251,7 +336,8 @@ def test_every_key_and_channel_is_prefixed(fresh_redis, spawn, queue_name):
     queued = client.submit("canceled before any worker", max_tokens=4)
     assert queued.cancel()
     rogue = Queue(queue_name, connection=r, serializer=MsgpackSerializer).enqueue(
-        keys.JOB_FUNC, {"v": 1, "prompt": 42})
+        keys.JOB_FUNC, {"v": 1, "prompt": 42}
+    )
     worker = spawn(fresh_redis, queue_name, window_ms=0)
     done = client.submit("finishes", max_tokens=6, temperature=0.5)
     assert done.result(timeout=60).token_ids
@@ -367,20 +453,38 @@ PAYLOAD_CRASHERS: list[tuple[str, Any, str]] = [
     ("neither prompt nor messages", {"v": 1}, "prompt"),
     ("both prompt and messages", {**P, "messages": [HI]}, "prompt"),
     ("messages: extra key", {**M, "messages": [{**HI, "name": "x"}]}, "messages[0]"),
-    ("messages: extra key smuggled late", {**M, "messages": [HI, {**HI, "tool": 1}]},
-     "messages[1]"),
+    (
+        "messages: extra key smuggled late",
+        {**M, "messages": [HI, {**HI, "tool": 1}]},
+        "messages[1]",
+    ),
     ("messages: non-str key", {**M, "messages": [{**HI, 1: 2}]}, "messages[0]"),
     ("messages: content missing", {**M, "messages": [{"role": "user"}]}, "messages[0]"),
-    ("messages: unknown role", {**M, "messages": [{"role": "root", "content": "hi"}]},
-     "messages[0].role"),
-    ("messages: role a list", {**M, "messages": [{"role": ["user"], "content": "hi"}]},
-     "messages[0].role"),
-    ("messages: content a map", {**M, "messages": [{"role": "user", "content": {"t": "hi"}}]},
-     "messages[0].content"),
-    ("messages: content None", {**M, "messages": [{"role": "user", "content": None}]},
-     "messages[0].content"),
-    ("messages: content bytes", {**M, "messages": [{"role": "user", "content": b"hi"}]},
-     "messages[0].content"),
+    (
+        "messages: unknown role",
+        {**M, "messages": [{"role": "root", "content": "hi"}]},
+        "messages[0].role",
+    ),
+    (
+        "messages: role a list",
+        {**M, "messages": [{"role": ["user"], "content": "hi"}]},
+        "messages[0].role",
+    ),
+    (
+        "messages: content a map",
+        {**M, "messages": [{"role": "user", "content": {"t": "hi"}}]},
+        "messages[0].content",
+    ),
+    (
+        "messages: content None",
+        {**M, "messages": [{"role": "user", "content": None}]},
+        "messages[0].content",
+    ),
+    (
+        "messages: content bytes",
+        {**M, "messages": [{"role": "user", "content": b"hi"}]},
+        "messages[0].content",
+    ),
     ("messages: empty", {**M, "messages": []}, "messages"),
     ("messages: a map", {**M, "messages": HI}, "messages"),
     ("messages: a string", {**M, "messages": "hi"}, "messages"),
@@ -473,6 +577,7 @@ CHUNK_CRASHERS: list[tuple[str, bytes, str]] = [
     ("error bytes", _chunk(s=1, k="error", e=b"x"), "chunk.error"),
 ]
 
+
 def _cases(corpus: list[tuple[str, Any, str]]) -> list[Any]:
     return [pytest.param(data, field, id=name) for name, data, field in corpus]
 
@@ -506,8 +611,9 @@ SUBMIT_CRASHERS: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    pytest.param(kw, field, id=name) for name, kw, field in SUBMIT_CRASHERS])
+@pytest.mark.parametrize(
+    ("kwargs", "field"), [pytest.param(kw, field, id=name) for name, kw, field in SUBMIT_CRASHERS]
+)
 def test_submit_refuses_unsendable_values_by_name(fresh_redis, queue_name, kwargs, field):
     client = Client(fresh_redis, queue=queue_name)
     kwargs = {"prompt": "hi", "max_tokens": 2, **kwargs}
@@ -527,8 +633,8 @@ def test_huge_top_k_never_takes_down_its_neighbours(fresh_redis, spawn, queue_na
     client = Client(fresh_redis, queue=queue_name)
     neighbour = client.submit("an innocent neighbour", max_tokens=8, temperature=1.0)
     rogue = Queue(queue_name, connection=client.redis, serializer=MsgpackSerializer).enqueue(
-        keys.JOB_FUNC, {"v": 1, "prompt": "hi", "max_tokens": 4, "temperature": 1.0,
-                        "top_k": 2**31})
+        keys.JOB_FUNC, {"v": 1, "prompt": "hi", "max_tokens": 4, "temperature": 1.0, "top_k": 2**31}
+    )
     spawn(fresh_redis, queue_name, window_ms=200)  # both are queued: one batch
     assert neighbour.result(timeout=60).token_ids
     try:
@@ -577,35 +683,68 @@ def test_the_pickle_tripwire_is_armed():
 
 INT64 = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
 nasty = st.one_of(
-    st.none(), st.booleans(), INT64, st.floats(),
+    st.none(),
+    st.booleans(),
+    INT64,
+    st.floats(),
     st.sampled_from([0, 1, -1, 2**31, 2**63 - 1, 0.5, 1e300, 5e-324]),
-    st.text(max_size=6), st.binary(max_size=6),
+    st.text(max_size=6),
+    st.binary(max_size=6),
     st.lists(st.integers(-5, 5) | st.text(max_size=3), max_size=3),
     st.dictionaries(st.text(max_size=4), INT64 | st.text(max_size=3), max_size=3),
 )
 message = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "root"]),
-                           "content": st.text(max_size=8) | nasty}),
-    st.dictionaries(st.sampled_from(["role", "content", "name"]), nasty, max_size=3), nasty)
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "root"]),
+            "content": st.text(max_size=8) | nasty,
+        }
+    ),
+    st.dictionaries(st.sampled_from(["role", "content", "name"]), nasty, max_size=3),
+    nasty,
+)
 payloads = st.fixed_dictionaries(
     {"v": st.sampled_from([1, 1, 1, 2, 0, True, 1.0, None, "1"])},
-    optional={"prompt": st.text(max_size=8) | nasty,
-              "messages": st.lists(message, max_size=3) | nasty,
-              **{f: nasty for f in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                    "seed", "stop", "metadata", "timeout", "ttl", "extra")}})
+    optional={
+        "prompt": st.text(max_size=8) | nasty,
+        "messages": st.lists(message, max_size=3) | nasty,
+        **{
+            f: nasty
+            for f in (
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "stop",
+                "metadata",
+                "timeout",
+                "ttl",
+                "extra",
+            )
+        },
+    },
+)
 
 GOOD = {
-    "prompt": st.text(min_size=1, max_size=8), "max_tokens": st.integers(1, 64),
-    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
-    "min_p": st.floats(0, 1), "seed": st.none() | st.integers(0, 2**63 - 1),
+    "prompt": st.text(min_size=1, max_size=8),
+    "max_tokens": st.integers(1, 64),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 1),
+    "seed": st.none() | st.integers(0, 2**63 - 1),
     "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
     "metadata": st.none() | st.dictionaries(st.text(max_size=4), INT64, max_size=2),
-    "timeout": st.none() | st.floats(0.5, 600), "ttl": st.none() | st.floats(0.5, 600),
+    "timeout": st.none() | st.floats(0.5, 600),
+    "ttl": st.none() | st.floats(0.5, 600),
 }
 #: Mostly well-formed payloads with the odd nasty value: these reach the accepting paths.
 near_good = st.fixed_dictionaries(
     {"v": st.just(1), "prompt": GOOD["prompt"]},
-    optional={f: st.one_of(g, g, g, nasty) for f, g in GOOD.items() if f != "prompt"})
+    optional={f: st.one_of(g, g, g, nasty) for f, g in GOOD.items() if f != "prompt"},
+)
 
 
 def _flip(t: tuple[bytes, int, int]) -> bytes:
@@ -613,16 +752,18 @@ def _flip(t: tuple[bytes, int, int]) -> bytes:
     if not data:
         return data
     i = at % len(data)
-    return data[:i] + bytes([byte]) + data[i + 1:]
+    return data[:i] + bytes([byte]) + data[i + 1 :]
 
 
 packed = (payloads | near_good).map(MsgpackSerializer.dumps)
 wire = st.one_of(
-    st.binary(max_size=512), packed, near_good.map(MsgpackSerializer.dumps),
+    st.binary(max_size=512),
+    packed,
+    near_good.map(MsgpackSerializer.dumps),
     st.tuples(packed, st.integers(0, 4096), st.integers(0, 255)).map(_flip),
-    st.tuples(packed, st.integers(0, 4096)).map(lambda t: t[0][: t[1] % (len(t[0]) + 1)]))
-RANDOM = settings(max_examples=400, deadline=None,
-                  suppress_health_check=[HealthCheck.too_slow])
+    st.tuples(packed, st.integers(0, 4096)).map(lambda t: t[0][: t[1] % (len(t[0]) + 1)]),
+)
+RANDOM = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @RANDOM
@@ -640,17 +781,24 @@ def test_random_bytes_decode_or_fail_cleanly_and_never_unpickle(data):
             return
         event("accepted")
         # Accepted: it must survive the round trip the producer and worker make.
-        assert GenerationRequest.from_payload(
-            MsgpackSerializer.loads(MsgpackSerializer.dumps(req.to_payload()))) == req
+        assert (
+            GenerationRequest.from_payload(
+                MsgpackSerializer.loads(MsgpackSerializer.dumps(req.to_payload()))
+            )
+            == req
+        )
 
 
-job_tuples = st.tuples(st.sampled_from([keys.JOB_FUNC, "os.system", None, 1]),
-                       st.none() | nasty, st.lists(payloads | near_good, max_size=2) | nasty,
-                       st.just({}) | nasty).map(lambda t: MsgpackSerializer.dumps(list(t)))
+job_tuples = st.tuples(
+    st.sampled_from([keys.JOB_FUNC, "os.system", None, 1]),
+    st.none() | nasty,
+    st.lists(payloads | near_good, max_size=2) | nasty,
+    st.just({}) | nasty,
+).map(lambda t: MsgpackSerializer.dumps(list(t)))
 
 
 @RANDOM
-@given(st.one_of(wire, job_tuples, job_tuples.map(lambda b: _flip((b, len(b) // 2, 0xc1)))))
+@given(st.one_of(wire, job_tuples, job_tuples.map(lambda b: _flip((b, len(b) // 2, 0xC1)))))
 def test_worker_decode_job_on_random_job_data(data):
     """The worker's own path: the stored (compressed) job data, then decode_request."""
     with no_pickle(), contextlib.suppress(PayloadError):

@@ -40,8 +40,11 @@ def test_held_tail_is_flushed_when_no_stop_comes():
 alphabet = st.text(alphabet="abE N日😀", max_size=40)
 
 
-@given(text=alphabet, cuts=st.lists(st.integers(0, 40), max_size=8),
-       stops=st.lists(st.text(alphabet="abE N日😀", min_size=1, max_size=4), max_size=3))
+@given(
+    text=alphabet,
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+    stops=st.lists(st.text(alphabet="abE N日😀", min_size=1, max_size=4), max_size=3),
+)
 def test_streamed_text_is_the_text_up_to_the_first_stop(text, cuts, stops):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]

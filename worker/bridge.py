@@ -147,8 +147,7 @@ class Bridge:
         # Thread-safe pools: one for the writer, liveness and cancels; one whose commands
         # are never retried blindly, for moving jobs (a lost reply there is reconciled).
         self.redis = connect(config.redis_url)
-        self.mover = connect(config.redis_url, retries=0,
-                             socket_timeout=BLOCK_S + 10)
+        self.mover = connect(config.redis_url, retries=0, socket_timeout=BLOCK_S + 10)
         self.epoch = 0
         self.token = self._new_token()
         q = config.queue
@@ -159,8 +158,9 @@ class Bridge:
         self.k_finished, self.k_failed = keys.finished_registry(q), keys.failed_registry(q)
         self.k_canceled = keys.canceled_registry(q)
         self.rq_queue = Queue(q, connection=self.redis, serializer=MsgpackSerializer)
-        self.rq_worker = SimpleWorker([self.rq_queue], connection=self.redis, name=self.name,
-                                      serializer=MsgpackSerializer)
+        self.rq_worker = SimpleWorker(
+            [self.rq_queue], connection=self.redis, name=self.name, serializer=MsgpackSerializer
+        )
         self._state = ""
 
     def _new_token(self) -> str:
@@ -196,9 +196,14 @@ class Bridge:
     def beat(self) -> str:
         """Keep the lease: ``ok``, ``renewed`` (it had lapsed, nobody took over) or
         ``reaped`` (declared dead: nothing is this worker's any more)."""
-        return _s(scripts.call(self.redis, "beat",
-                               [self.k_alive, self.k_roll, keys.reaped_key(self.name)],
-                               [self.token, self.name, LEASE_MS]))
+        return _s(
+            scripts.call(
+                self.redis,
+                "beat",
+                [self.k_alive, self.k_roll, keys.reaped_key(self.name)],
+                [self.token, self.name, LEASE_MS],
+            )
+        )
 
     def rejoin(self) -> int:
         """After being reaped: a new token (old writes stay refused), and what a queue
@@ -206,15 +211,25 @@ class Bridge:
         self.epoch += 1
         self.token = self._new_token()
         now_ts, now_str = _now()
-        n = scripts.call(self.redis, "rejoin", self._reap_keys(self.name),
-                         [self.token, self.name, now_ts, now_str, keys.DEFAULT_FAILURE_TTL,
-                          NOTICE, LEASE_MS])
+        n = scripts.call(
+            self.redis,
+            "rejoin",
+            self._reap_keys(self.name),
+            [self.token, self.name, now_ts, now_str, keys.DEFAULT_FAILURE_TTL, NOTICE, LEASE_MS],
+        )
         return int(n)
 
     def _reap_keys(self, worker: str) -> list[str]:
-        return [keys.alive_key(worker), keys.wip_key(worker), self.k_queue, self.k_roll,
-                self.k_started, keys.rq_worker_executions(worker), keys.reaped_key(worker),
-                self.k_canceled]
+        return [
+            keys.alive_key(worker),
+            keys.wip_key(worker),
+            self.k_queue,
+            self.k_roll,
+            self.k_started,
+            keys.rq_worker_executions(worker),
+            keys.reaped_key(worker),
+            self.k_canceled,
+        ]
 
     def roll(self) -> list[tuple[str, str | None]]:
         """Every worker on this queue's roll, with its lease value (None: none)."""
@@ -225,9 +240,12 @@ class Bridge:
     def reap(self, worker: str, seen: str | None) -> list[str] | None:
         """Requeue a dead worker's jobs; None when it turned out alive."""
         now_ts, now_str = _now()
-        out = scripts.call(self.redis, "reap", self._reap_keys(worker),
-                           [worker, seen or "", now_ts, now_str, keys.DEFAULT_FAILURE_TTL,
-                            NOTICE, REAPED_TTL])
+        out = scripts.call(
+            self.redis,
+            "reap",
+            self._reap_keys(worker),
+            [worker, seen or "", now_ts, now_str, keys.DEFAULT_FAILURE_TTL, NOTICE, REAPED_TTL],
+        )
         if _s(out[0]) != "reaped":
             return None
         return [_s(i) for i in out[1:]]
@@ -238,8 +256,7 @@ class Bridge:
         args: list[scripts.Arg] = [self.token, now_ts, now_str, STARTED_TTL]
         for job_id, execution_id in running:
             args += [job_id, execution_id]
-        scripts.call(self.redis, "refresh", [self.k_alive, self.k_started, self.k_rq_worker],
-                     args)
+        scripts.call(self.redis, "refresh", [self.k_alive, self.k_started, self.k_rq_worker], args)
 
     def write_stats(self, state: str, stats: dict[str, Any]) -> None:
         key = keys.worker_stats_key(self.name)
@@ -261,8 +278,13 @@ class Bridge:
     def wait_for_job(self, timeout: float = BLOCK_S) -> bytes | None:
         """Block until one job id moves from the queue into this worker's WIP list."""
         # redis-py annotates an int; BLMOVE takes fractions of a second (Redis >= 6).
-        raw = self.mover.blmove(self.k_queue, self.k_wip, timeout,  # type: ignore[arg-type]
-                                "LEFT", "RIGHT")
+        raw = self.mover.blmove(
+            self.k_queue,
+            self.k_wip,
+            timeout,  # type: ignore[arg-type]
+            "LEFT",
+            "RIGHT",
+        )
         return raw if isinstance(raw, bytes) else None
 
     def wip(self) -> list[bytes]:
@@ -276,10 +298,22 @@ class Bridge:
             LeaseLost: the lease is not this worker's; what it was handed went back.
         """
         now_ts, now_str = _now()
-        out = scripts.call(self.mover, "claim",
-                           [self.k_queue, self.k_wip, self.k_alive, self.k_canceled],
-                           [self.token, self.name, now_ts, now_str, n, MAX_JOB_DATA_BYTES,
-                            keys.DEFAULT_FAILURE_TTL, NOTICE, *moved])
+        out = scripts.call(
+            self.mover,
+            "claim",
+            [self.k_queue, self.k_wip, self.k_alive, self.k_canceled],
+            [
+                self.token,
+                self.name,
+                now_ts,
+                now_str,
+                n,
+                MAX_JOB_DATA_BYTES,
+                keys.DEFAULT_FAILURE_TTL,
+                NOTICE,
+                *moved,
+            ],
+        )
         if out and out[0] == b"lease":
             raise LeaseLost(self.name)
         claimed = []
@@ -306,24 +340,80 @@ class Bridge:
         if f.chunks:
             calls.append(("chunks", [self.k_alive], self._chunk_args(f.chunks)))
         if f.ends:
-            calls.append(("end", [self.k_alive, self.k_started, self.k_rq_worker, self.k_execs,
-                                  self.k_wip, self.k_finished, self.k_failed, self.k_canceled],
-                          self._end_args(f.ends, now_ts, now_str)))
+            calls.append(
+                (
+                    "end",
+                    [
+                        self.k_alive,
+                        self.k_started,
+                        self.k_rq_worker,
+                        self.k_execs,
+                        self.k_wip,
+                        self.k_finished,
+                        self.k_failed,
+                        self.k_canceled,
+                    ],
+                    self._end_args(f.ends, now_ts, now_str),
+                )
+            )
         if f.fails:
-            calls.append(("fail", [self.k_alive, self.k_wip, self.k_failed],
-                          self._fail_args(f.fails, now_ts, now_str)))
+            calls.append(
+                (
+                    "fail",
+                    [self.k_alive, self.k_wip, self.k_failed],
+                    self._fail_args(f.fails, now_ts, now_str),
+                )
+            )
         for mode, ids in f.releases:
-            calls.append(("release", [self.k_alive, self.k_wip, self.k_queue, self.k_started,
-                                      self.k_execs, self.k_canceled],
-                          [self.token, self.name, now_ts, now_str, keys.DEFAULT_FAILURE_TTL,
-                           NOTICE, mode, *ids]))
+            calls.append(
+                (
+                    "release",
+                    [
+                        self.k_alive,
+                        self.k_wip,
+                        self.k_queue,
+                        self.k_started,
+                        self.k_execs,
+                        self.k_canceled,
+                    ],
+                    [
+                        self.token,
+                        self.name,
+                        now_ts,
+                        now_str,
+                        keys.DEFAULT_FAILURE_TTL,
+                        NOTICE,
+                        mode,
+                        *ids,
+                    ],
+                )
+            )
         if f.starts:
-            args: list[scripts.Arg] = [self.token, self.name, now_ts, now_str, STARTED_TTL,
-                                       keys.DEFAULT_FAILURE_TTL, NOTICE]
+            args: list[scripts.Arg] = [
+                self.token,
+                self.name,
+                now_ts,
+                now_str,
+                STARTED_TTL,
+                keys.DEFAULT_FAILURE_TTL,
+                NOTICE,
+            ]
             for job_id, before, exec_id in f.starts:
                 args += [job_id, before, exec_id]
-            calls.append(("start", [self.k_alive, self.k_started, self.k_rq_worker,
-                                    self.k_execs, self.k_wip, self.k_canceled], args))
+            calls.append(
+                (
+                    "start",
+                    [
+                        self.k_alive,
+                        self.k_started,
+                        self.k_rq_worker,
+                        self.k_execs,
+                        self.k_wip,
+                        self.k_canceled,
+                    ],
+                    args,
+                )
+            )
         replies = scripts.run(self.redis, calls)
         return self._parse(calls, replies)
 
@@ -334,9 +424,16 @@ class Bridge:
         return args
 
     def _end_args(self, ends: list[End], now_ts: float, now_str: str) -> list[scripts.Arg]:
-        args: list[scripts.Arg] = [self.token, self.name, now_ts, now_str, self.config.stream_ttl,
-                                   keys.DEFAULT_RESULT_TTL, keys.DEFAULT_FAILURE_TTL,
-                                   keys.MAX_RECORD_TTL]
+        args: list[scripts.Arg] = [
+            self.token,
+            self.name,
+            now_ts,
+            now_str,
+            self.config.stream_ttl,
+            keys.DEFAULT_RESULT_TTL,
+            keys.DEFAULT_FAILURE_TTL,
+            keys.MAX_RECORD_TTL,
+        ]
         for e in ends:
             if e.outcome == "finished":
                 value = base64.b64encode(MsgpackSerializer.dumps(e.result)).decode()
@@ -344,25 +441,47 @@ class Bridge:
             else:
                 exc_info = _zlib_text(e.reason)
                 value = base64.b64encode(exc_info).decode()
-            args += [e.job_id, e.outcome, e.execution_id, value, exc_info, e.started_at,
-                     e.final.seq, encode_chunk(e.final), encode_chunk(e.canceled)]
+            args += [
+                e.job_id,
+                e.outcome,
+                e.execution_id,
+                value,
+                exc_info,
+                e.started_at,
+                e.final.seq,
+                encode_chunk(e.final),
+                encode_chunk(e.canceled),
+            ]
         return args
 
-    def _fail_args(self, fails: list[tuple[str, int, str]], now_ts: float,
-                   now_str: str) -> list[scripts.Arg]:
-        args: list[scripts.Arg] = [self.token, self.name, now_ts, now_str,
-                                   self.config.stream_ttl, keys.DEFAULT_FAILURE_TTL,
-                                   keys.MAX_RECORD_TTL]
+    def _fail_args(
+        self, fails: list[tuple[str, int, str]], now_ts: float, now_str: str
+    ) -> list[scripts.Arg]:
+        args: list[scripts.Arg] = [
+            self.token,
+            self.name,
+            now_ts,
+            now_str,
+            self.config.stream_ttl,
+            keys.DEFAULT_FAILURE_TTL,
+            keys.MAX_RECORD_TTL,
+        ]
         for job_id, attempts, reason in fails:
             exc = _zlib_text(reason)
             # It never ran: its error chunk opens a run of its own, after the last one.
-            chunk = Chunk(first_seq(attempts + 1), kind="error", finish_reason="error",
-                          attempt=attempts + 1, error=reason)
+            chunk = Chunk(
+                first_seq(attempts + 1),
+                kind="error",
+                finish_reason="error",
+                attempt=attempts + 1,
+                error=reason,
+            )
             args += [job_id, base64.b64encode(exc).decode(), exc, chunk.seq, encode_chunk(chunk)]
         return args
 
-    def _parse(self, calls: list[tuple[str, list[str], list[scripts.Arg]]],
-               replies: list[Any]) -> FlushReply:
+    def _parse(
+        self, calls: list[tuple[str, list[str], list[scripts.Arg]]], replies: list[Any]
+    ) -> FlushReply:
         out = FlushReply()
         for (name, _, calls_args), reply in zip(calls, replies, strict=True):
             if reply and reply[0] == b"lease":
@@ -371,8 +490,9 @@ class Bridge:
                 raise redis.exceptions.OutOfMemoryError(f"{name}: refused (out of memory)")
             if name == "chunks":
                 problems = reply[1]
-                out.write_problems += [(_s(problems[i]), _s(problems[i + 1]))
-                                       for i in range(0, len(problems), 2)]
+                out.write_problems += [
+                    (_s(problems[i]), _s(problems[i + 1])) for i in range(0, len(problems), 2)
+                ]
             elif name == "start":
                 out.started.update({_s(e[0]): _s(e[1]) for e in reply})
             elif name == "end":
@@ -381,11 +501,11 @@ class Bridge:
                     if len(e) > 2 and _s(e[2]) not in ("ok", "dup"):
                         out.write_problems.append((_s(e[0]), _s(e[2])))
             elif name == "fail":
-                out.settled.update({_s(e[0]): "failed" if e[1] == b"failed" else "dropped"
-                                    for e in reply})
+                out.settled.update(
+                    {_s(e[0]): "failed" if e[1] == b"failed" else "dropped" for e in reply}
+                )
             elif name == "release":
                 ids = calls_args[7:]
                 for job_id, what in zip(ids, reply, strict=True):
                     out.settled[_s(job_id)] = _RELEASED.get(_s(what), "dropped")
         return out
-

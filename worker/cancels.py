@@ -32,8 +32,12 @@ class CancelListener:
         holds: Whether the worker holds a job id.
     """
 
-    def __init__(self, bridge: Bridge, inbox: queue.SimpleQueue[tuple[str, Any]],
-                 holds: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        bridge: Bridge,
+        inbox: queue.SimpleQueue[tuple[str, Any]],
+        holds: Callable[[str], bool],
+    ) -> None:
         self.bridge, self.inbox, self.holds = bridge, inbox, holds
         self.ignored = 0
         self._stop = threading.Event()

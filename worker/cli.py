@@ -34,46 +34,83 @@ def missing_worker_extra(e: ImportError) -> bool:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="mlx-lm model path or Hugging Face repo id")
-    p.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL", keys.DEFAULT_REDIS_URL),
-                   help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s); prefer the "
-                   "environment variable for URLs with a password")
+    p.add_argument("--model", required=True, help="mlx-lm model path or Hugging Face repo id")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("MLXQ_REDIS_URL", keys.DEFAULT_REDIS_URL),
+        help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s); prefer the "
+        "environment variable for URLs with a password",
+    )
     p.add_argument("--queue", default="default", help="queue to serve (default: %(default)s)")
-    p.add_argument("--window-ms", type=float, default=c.DEFAULT_WINDOW_MS,
-                   help="after a first job reaches an idle worker, wait this long for others "
-                   "to share its prefill (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=c.DEFAULT_MAX_BATCH,
-                   help="most jobs decoding at once (default: %(default)s; 64 pays on a GPU)")
-    p.add_argument("--name", default=None,
-                   help="worker name (default: host.pid.random; rq refuses reused names)")
-    p.add_argument("--grace-s", type=float, default=c.DEFAULT_GRACE_S,
-                   help="on SIGTERM/SIGINT, seconds running jobs may finish before they are "
-                   "requeued; a second signal stops at once (default: %(default)s)")
-    p.add_argument("--stream-ttl", type=int, default=keys.DEFAULT_STREAM_TTL,
-                   help="seconds a job's replay log lives after its last chunk "
-                   "(default: %(default)s)")
-    p.add_argument("--stream-interval-ms", type=float, default=c.DEFAULT_STREAM_INTERVAL_MS,
-                   help="tokens a job makes within this interval go out as one chunk; its "
-                   "first token never waits; 0 sends every token (default: %(default)s)")
-    p.add_argument("--max-tokens-cap", type=int, default=MAX_TOKENS_CAP,
-                   help="largest max_tokens a job may ask for (default: %(default)s)")
-    p.add_argument("--log-level", default="INFO",
-                   help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
+    p.add_argument(
+        "--window-ms",
+        type=float,
+        default=c.DEFAULT_WINDOW_MS,
+        help="after a first job reaches an idle worker, wait this long for others "
+        "to share its prefill (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=c.DEFAULT_MAX_BATCH,
+        help="most jobs decoding at once (default: %(default)s; 64 pays on a GPU)",
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        help="worker name (default: host.pid.random; rq refuses reused names)",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=c.DEFAULT_GRACE_S,
+        help="on SIGTERM/SIGINT, seconds running jobs may finish before they are "
+        "requeued; a second signal stops at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stream-ttl",
+        type=int,
+        default=keys.DEFAULT_STREAM_TTL,
+        help="seconds a job's replay log lives after its last chunk (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=c.DEFAULT_STREAM_INTERVAL_MS,
+        help="tokens a job makes within this interval go out as one chunk; its "
+        "first token never waits; 0 sends every token (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=MAX_TOKENS_CAP,
+        help="largest max_tokens a job may ask for (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)"
+    )
 
 
 def config_from(args: argparse.Namespace) -> c.WorkerConfig:
     return c.WorkerConfig(
-        model=args.model, redis_url=args.redis_url, queue=args.queue,
-        window_ms=args.window_ms, max_batch=args.max_batch, name=args.name,
-        grace_s=args.grace_s, stream_ttl=args.stream_ttl,
-        stream_interval_ms=args.stream_interval_ms, max_tokens_cap=args.max_tokens_cap)
+        model=args.model,
+        redis_url=args.redis_url,
+        queue=args.queue,
+        window_ms=args.window_ms,
+        max_batch=args.max_batch,
+        name=args.name,
+        grace_s=args.grace_s,
+        stream_ttl=args.stream_ttl,
+        stream_interval_ms=args.stream_interval_ms,
+        max_tokens_cap=args.max_tokens_cap,
+    )
 
 
 def run_worker(args: argparse.Namespace) -> int:
     config = config_from(args)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         from mlxq.worker.loop import Worker
     except ImportError as e:
@@ -86,8 +123,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     kinds = p.add_subparsers(dest="kind", required=True)
-    tiny = kinds.add_parser("tiny", help="write a tiny random-weight Llama model (HF layout), "
-                            "for tests and demos")
+    tiny = kinds.add_parser(
+        "tiny", help="write a tiny random-weight Llama model (HF layout), for tests and demos"
+    )
     tiny.add_argument("dir", help="directory to write into (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
 

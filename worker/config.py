@@ -80,8 +80,11 @@ class WorkerConfig:
         _integer("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
         if self.name is None:
             object.__setattr__(self, "name", default_name())
-        elif not isinstance(self.name, str) or not 0 < len(self.name) <= 200 or any(
-                c.isspace() or c == ":" for c in self.name):
+        elif (
+            not isinstance(self.name, str)
+            or not 0 < len(self.name) <= 200
+            or any(c.isspace() or c == ":" for c in self.name)
+        ):
             raise ValueError(f"name={self.name!r}: 1 to 200 characters, no spaces or ':'")
 
     @property
@@ -90,8 +93,12 @@ class WorkerConfig:
 
 
 def _number(name: str, value: object, lo: float, hi: float) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and lo <= value <= hi)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and lo <= value <= hi
+    )
     if not ok:
         raise ValueError(f"{name}={value!r}: must be a number in [{lo:g}, {hi:g}]")
 

@@ -83,16 +83,27 @@ class Engine:
         max_kv_size: Rotating KV cache size, None for the full context.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32,
-                 prefill_step_size: int = 2048, max_kv_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch: int = 32,
+        prefill_step_size: int = 2048,
+        max_kv_size: int | None = None,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.counters = StepCounters()
         self.max_context = _context_length(model)
-        self._kw = dict(completion_batch_size=max_batch, prefill_batch_size=max_batch,
-                        prefill_step_size=prefill_step_size, max_kv_size=max_kv_size,
-                        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)])
+        self._kw = dict(
+            completion_batch_size=max_batch,
+            prefill_batch_size=max_batch,
+            prefill_step_size=prefill_step_size,
+            max_kv_size=max_kv_size,
+            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+        )
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._rows: dict[int, Job] = {}
         self._uid_of: dict[str, int] = {}
@@ -136,16 +147,19 @@ class Engine:
         """
         tok = self.tokenizer
         if req.messages is not None:
-            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True,
-                                           tokenize=False)
+            text = tok.apply_chat_template(
+                list(req.messages), add_generation_prompt=True, tokenize=False
+            )
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(req.prompt)
         if not ids:
             raise PayloadError("prompt: tokenizes to nothing")
         if self.max_context and len(ids) + req.max_tokens > self.max_context:
-            raise PayloadError(f"prompt: {len(ids)} tokens + max_tokens={req.max_tokens} exceed "
-                               f"the model's context of {self.max_context}")
+            raise PayloadError(
+                f"prompt: {len(ids)} tokens + max_tokens={req.max_tokens} exceed "
+                f"the model's context of {self.max_context}"
+            )
         return list(ids)
 
     def new_detokenizer(self) -> Any:
@@ -156,8 +170,9 @@ class Engine:
         then on."""
         if not jobs:
             return
-        uids = self._gen.insert([j.prompt_ids for j in jobs],
-                                max_tokens=[j.request.max_tokens for j in jobs])
+        uids = self._gen.insert(
+            [j.prompt_ids for j in jobs], max_tokens=[j.request.max_tokens for j in jobs]
+        )
         for uid, job in zip(uids, jobs, strict=True):
             self.sampler.add(uid, job.request.sampling)
             self._rows[uid] = job

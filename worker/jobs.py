@@ -150,8 +150,12 @@ class Job:
 
     def result(self) -> dict[str, Any]:
         """The rq return value. Built from the very text streamed, so the two are equal."""
-        return {"text": "".join(self.text), "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "usage": self.usage()}
+        return {
+            "text": "".join(self.text),
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage(),
+        }
 
     def _take(self, **kw: Any) -> Chunk:
         text, ids = "".join(self._out_text), self._out_ids

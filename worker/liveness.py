@@ -63,9 +63,13 @@ class Liveness:
         held: Returns ``(held job ids, (id, execution id) of running jobs)``.
     """
 
-    def __init__(self, bridge: Bridge, inbox: queue.SimpleQueue[tuple[str, Any]],
-                 stats: Callable[[], tuple[str, dict[str, Any]]],
-                 held: Callable[[], tuple[list[str], list[tuple[str, str]]]]) -> None:
+    def __init__(
+        self,
+        bridge: Bridge,
+        inbox: queue.SimpleQueue[tuple[str, Any]],
+        stats: Callable[[], tuple[str, dict[str, Any]]],
+        held: Callable[[], tuple[list[str], list[tuple[str, str]]]],
+    ) -> None:
         self.bridge, self.inbox, self.stats, self.held = bridge, inbox, stats, held
         self.reaped_jobs = 0
         self._stop = threading.Event()
@@ -96,8 +100,14 @@ class Liveness:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for step in (self._beat, self._reap, self._publish, self._check_cancels,
-                         self._refresh, self._sweep):
+            for step in (
+                self._beat,
+                self._reap,
+                self._publish,
+                self._check_cancels,
+                self._refresh,
+                self._sweep,
+            ):
                 try:
                     step()
                     self._outage.ok()
@@ -112,13 +122,17 @@ class Liveness:
     def _beat(self) -> None:
         verdict = self.bridge.beat()
         if verdict == "reaped" and self._reported_epoch != self.bridge.epoch:
-            log.error("worker %s was declared dead and its jobs requeued: dropping everything "
-                      "it held", self.bridge.name)
+            log.error(
+                "worker %s was declared dead and its jobs requeued: dropping everything it held",
+                self.bridge.name,
+            )
             self._reported_epoch = self.bridge.epoch
             self.inbox.put(("reaped", self.bridge.epoch))
         elif verdict == "renewed" and self._next:
-            log.warning("worker %s: lease had lapsed (a long stall?); nobody took its jobs",
-                        self.bridge.name)
+            log.warning(
+                "worker %s: lease had lapsed (a long stall?); nobody took its jobs",
+                self.bridge.name,
+            )
 
     def _reap(self) -> None:
         for other, value in self.bridge.roll():

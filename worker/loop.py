@@ -58,9 +58,14 @@ class Worker:
         self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.jobs: dict[str, Job] = {}  # every job past the prefetcher, until settled
         self.sink = Sink(self.bridge, self.inbox, on_lease_lost=self._poke)
-        self.prefetch = Prefetcher(self.bridge, self.sink, self.engine.encode,
-                                   max_tokens_cap=config.max_tokens_cap, holds=self.holds,
-                                   runs=self.runs)
+        self.prefetch = Prefetcher(
+            self.bridge,
+            self.sink,
+            self.engine.encode,
+            max_tokens_cap=config.max_tokens_cap,
+            holds=self.holds,
+            runs=self.runs,
+        )
         self.liveness = Liveness(self.bridge, self.inbox, self.stats, self._held)
         self.cancels = CancelListener(self.bridge, self.inbox, self.holds)
         self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
@@ -84,8 +89,11 @@ class Worker:
             self._hard.set()
             return
         self._stop.set()
-        log.info("stopping: in-flight jobs may finish within %.0f s, then are requeued "
-                 "(signal again to stop at once)", self.config.grace_s)
+        log.info(
+            "stopping: in-flight jobs may finish within %.0f s, then are requeued "
+            "(signal again to stop at once)",
+            self.config.grace_s,
+        )
 
     def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
@@ -95,9 +103,14 @@ class Worker:
         self.bridge.register()
         for t in (self.sink, self.liveness, self.cancels, self.prefetch):
             t.start()
-        log.info("worker %s serving queue %r with %s (max_batch=%d, window=%.0f ms)",
-                 self.name, self.config.queue, self.config.model, self.config.max_batch,
-                 self.config.window_ms)
+        log.info(
+            "worker %s serving queue %r with %s (max_batch=%d, window=%.0f ms)",
+            self.name,
+            self.config.queue,
+            self.config.model,
+            self.config.max_batch,
+            self.config.window_ms,
+        )
         try:
             while not self._stop.is_set():
                 self._turn()
@@ -127,8 +140,7 @@ class Worker:
         """Whether a job is buffered or running here (a second claim of it is a rogue
         duplicate; a job whose hand-back is committing may be claimed again)."""
         job = self.jobs.get(job_id)
-        return (job is not None and job.status is not Status.ENDING) or \
-            self.prefetch.holds(job_id)
+        return (job is not None and job.status is not Status.ENDING) or self.prefetch.holds(job_id)
 
     def _poke(self) -> None:
         self.liveness.poke()
@@ -179,8 +191,9 @@ class Worker:
             if job.epoch != self.bridge.epoch:
                 continue  # claimed under a lease this worker lost: not its own
             if self.runs(job.id):
-                log.warning("job %s: a second queue entry for a job this worker holds; "
-                            "dropped", job.id)
+                log.warning(
+                    "job %s: a second queue entry for a job this worker holds; dropped", job.id
+                )
                 self.sink.release("drop", [job.id])
                 continue
             job.arrived_step = self.steps
@@ -194,17 +207,18 @@ class Worker:
         if not buffered or free <= 0 or self._stop.is_set():
             return
         running = Counter(j.key for j in self._running())
-        chosen = admit(buffered, running, min(free, self.config.max_batch), self.steps,
-                       self.policy)
+        chosen = admit(buffered, running, min(free, self.config.max_batch), self.steps, self.policy)
         starts, resets, rows = [], [], []
         for job in chosen:
             if job.failed_attempts >= MAX_ATTEMPTS:
-                self._fail_unstarted(job, f"gave up after {job.failed_attempts} attempts: its "
-                                     "worker died or its batch failed each time")
+                self._fail_unstarted(
+                    job,
+                    f"gave up after {job.failed_attempts} attempts: its "
+                    "worker died or its batch failed each time",
+                )
                 continue
             exec_id = uuid.uuid4().hex
-            resets += [(job.id, c, True) for c in job.start(exec_id,
-                                                            self.engine.new_detokenizer())]
+            resets += [(job.id, c, True) for c in job.start(exec_id, self.engine.new_detokenizer())]
             starts.append((job.id, job.attempts_before, exec_id))
             rows.append(job)
         self.sink.starts(starts)
@@ -217,8 +231,13 @@ class Worker:
             return
         self.fresh.update(j.id for j in rows)
         for job in rows:
-            log.info("job %s started (attempt %d, %d prompt tokens, waited %.3f s)", job.id,
-                     job.attempt, len(job.prompt_ids), time.monotonic() - job.claimed_at)
+            log.info(
+                "job %s started (attempt %d, %d prompt tokens, waited %.3f s)",
+                job.id,
+                job.attempt,
+                len(job.prompt_ids),
+                time.monotonic() - job.claimed_at,
+            )
 
     def _fail_unstarted(self, job: Job, reason: str) -> None:
         log.warning("job %s failed before start: %s", job.id, reason)
@@ -233,10 +252,15 @@ class Worker:
         for job in list(self.jobs.values()):
             if job.status is Status.RUNNING and job.deadline is not None and now > job.deadline:
                 self.engine.remove([job])
-                self._end(job, "failed", job.fail(
-                    f"timeout: ran longer than timeout={job.request.timeout:g} s"))
-            elif job.status is Status.BUFFERED and (
-                    why := ttl_expired(job.request, job.enqueued_at)) is not None:
+                self._end(
+                    job,
+                    "failed",
+                    job.fail(f"timeout: ran longer than timeout={job.request.timeout:g} s"),
+                )
+            elif (
+                job.status is Status.BUFFERED
+                and (why := ttl_expired(job.request, job.enqueued_at)) is not None
+            ):
                 self._fail_unstarted(job, why)
 
     # -- run + postprocess -------------------------------------------------------------
@@ -273,9 +297,18 @@ class Worker:
         self.fresh.discard(job.id)
         if outcome == "failed" and not reason:
             reason = final.error or "failed"
-        self.sink.end(End(job.id, outcome, job.execution_id, job.started_at, final,
-                          job.canceled_instead(final),
-                          job.result() if outcome == "finished" else None, reason))
+        self.sink.end(
+            End(
+                job.id,
+                outcome,
+                job.execution_id,
+                job.started_at,
+                final,
+                job.canceled_instead(final),
+                job.result() if outcome == "finished" else None,
+                reason,
+            )
+        )
 
     def _on_engine_error(self, e: Exception) -> None:
         """An MLX error leaves the batch state unusable. Jobs admitted since the last
@@ -284,8 +317,11 @@ class Worker:
         reason = f"engine error: {type(e).__name__}: {e}"
         running = self._running()
         suspects = [j for j in running if j.id in self.fresh]
-        log.exception("engine step failed; failing %d suspect job(s), requeuing %d",
-                      len(suspects), len(running) - len(suspects))
+        log.exception(
+            "engine step failed; failing %d suspect job(s), requeuing %d",
+            len(suspects),
+            len(running) - len(suspects),
+        )
         for job in suspects:
             self._end(job, "failed", job.fail(reason))
         self._release([j for j in running if j.id not in self.fresh], "requeue", reason)
@@ -339,8 +375,14 @@ class Worker:
         self.outcomes[outcome] += 1
         if outcome in ("finished", "failed", "canceled"):
             took = time.monotonic() - job.started_mono if job.started_mono else 0.0
-            log.info("job %s %s (attempt %d, %d tokens, %.3f s)", job_id, outcome, job.attempt,
-                     job.generated, took)
+            log.info(
+                "job %s %s (attempt %d, %d tokens, %.3f s)",
+                job_id,
+                outcome,
+                job.attempt,
+                job.generated,
+                took,
+            )
 
     def _on_cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
@@ -409,15 +451,22 @@ class Worker:
         running = sum(j.status is Status.RUNNING for j in jobs)
         state = "busy" if running else "idle"
         return state, {
-            "name": self.name, "queue": self.config.queue, "model": self.config.model,
-            "max_batch": self.config.max_batch, "window_ms": self.config.window_ms,
-            "decode_steps": c.decode_steps, "vectorized_steps": c.vectorized_steps,
-            "sampler_calls": c.sampler_calls, "tokens_generated": c.tokens_generated,
-            "prompt_tokens": c.prompt_tokens, "jobs_finished": self.outcomes["finished"],
+            "name": self.name,
+            "queue": self.config.queue,
+            "model": self.config.model,
+            "max_batch": self.config.max_batch,
+            "window_ms": self.config.window_ms,
+            "decode_steps": c.decode_steps,
+            "vectorized_steps": c.vectorized_steps,
+            "sampler_calls": c.sampler_calls,
+            "tokens_generated": c.tokens_generated,
+            "prompt_tokens": c.prompt_tokens,
+            "jobs_finished": self.outcomes["finished"],
             "jobs_failed": self.outcomes["failed"] + self.prefetch.failed,
-            "jobs_canceled": self.outcomes["canceled"], "running": running,
-            "buffered": sum(j.status is Status.BUFFERED for j in jobs), "pid": os.getpid(),
+            "jobs_canceled": self.outcomes["canceled"],
+            "running": running,
+            "buffered": sum(j.status is Status.BUFFERED for j in jobs),
+            "pid": os.getpid(),
             "started_at": self.born,
             "batch_sizes": {str(k): v for k, v in sorted(c.batch_sizes.items())},
         }
-

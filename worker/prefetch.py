@@ -80,9 +80,16 @@ class Prefetcher:
         runs: Whether it holds it buffered or running (a second claim is a duplicate).
     """
 
-    def __init__(self, bridge: Bridge, sink: Sink, encode: Callable[[GenerationRequest], list[int]],
-                 *, max_tokens_cap: int, holds: Callable[[str], bool],
-                 runs: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        bridge: Bridge,
+        sink: Sink,
+        encode: Callable[[GenerationRequest], list[int]],
+        *,
+        max_tokens_cap: int,
+        holds: Callable[[str], bool],
+        runs: Callable[[str], bool],
+    ) -> None:
         self.bridge, self.sink, self.encode = bridge, sink, encode
         self.max_tokens_cap, self.is_held, self.runs = max_tokens_cap, holds, runs
         self.want = 0
@@ -169,8 +176,11 @@ class Prefetcher:
 
     def _turn(self) -> None:
         if self._resync:
-            stray = [raw for raw in self.bridge.wip()
-                     if (i := _readable_id(raw)) is None or not self.is_held(i)]
+            stray = [
+                raw
+                for raw in self.bridge.wip()
+                if (i := _readable_id(raw)) is None or not self.is_held(i)
+            ]
             self._resync = False
             if stray:
                 self._accept(self.bridge.claim(0, stray))
@@ -210,8 +220,7 @@ class Prefetcher:
             self._refused(job_id, c)
             return None
         if self.runs(job_id):
-            log.warning("job %s: a second queue entry for a job this worker holds; dropped",
-                        job_id)
+            log.warning("job %s: a second queue entry for a job this worker holds; dropped", job_id)
             self.sink.release("drop", [job_id])
             return None
         try:
@@ -226,18 +235,26 @@ class Prefetcher:
         except Exception as e:  # a tokenizer or template error is this job's, not ours
             self._fail(job_id, c, f"invalid job: {type(e).__name__}: {e}")
             return None
-        return Job(job_id, req, ids, c.attempts, c.clean, _timestamp(c.enqueued_at),
-                   epoch=self.bridge.epoch)
+        return Job(
+            job_id,
+            req,
+            ids,
+            c.attempts,
+            c.clean,
+            _timestamp(c.enqueued_at),
+            epoch=self.bridge.epoch,
+        )
 
     def _refused(self, job_id: str, c: Claimed) -> None:
-        reasons = {"nodata": "its record has no job data",
-                   "toolarge": f"its job data is too large ({c.detail} bytes)",
-                   "bad": f"its record holds {c.detail}"}
+        reasons = {
+            "nodata": "its record has no job data",
+            "toolarge": f"its job data is too large ({c.detail} bytes)",
+            "bad": f"its record holds {c.detail}",
+        }
         if c.verdict in reasons:
             self._fail(job_id, c, f"unreadable job record: {reasons[c.verdict]}")
         elif c.verdict in ("dup", "missing"):
-            log.warning("job %s: dropped a stale queue entry (%s %s)", job_id, c.verdict,
-                        c.detail)
+            log.warning("job %s: dropped a stale queue entry (%s %s)", job_id, c.verdict, c.detail)
         elif c.verdict == "canceled":
             log.info("job %s canceled before it started", job_id)
 

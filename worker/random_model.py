@@ -126,8 +126,9 @@ def model_config(shape: str, tokenizer: Tokenizer, bits: int | None, dtype: str)
     return config
 
 
-def random_model(config: dict[str, Any], seed: int, logit_std: float,
-                 eos_reachable: bool = True) -> Model:
+def random_model(
+    config: dict[str, Any], seed: int, logit_std: float, eos_reachable: bool = True
+) -> Model:
     """The model ``config`` describes with random weights, a pure function of ``seed``.
 
     Draws every tensor from its own key split from ``seed`` (the caller's global

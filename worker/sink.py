@@ -51,8 +51,12 @@ class Sink:
         on_lease_lost: Called when a write was refused for the lease (ask for a beat now).
     """
 
-    def __init__(self, bridge: Bridge, inbox: queue.SimpleQueue[tuple[str, Any]],
-                 on_lease_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        bridge: Bridge,
+        inbox: queue.SimpleQueue[tuple[str, Any]],
+        on_lease_lost: Callable[[], None],
+    ) -> None:
         self.bridge, self.inbox, self.on_lease_lost = bridge, inbox, on_lease_lost
         self._q: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._void: OrderedDict[str, None] = OrderedDict()
@@ -143,8 +147,11 @@ class Sink:
             if op.kind == "start":
                 f.starts += op.payload
             elif op.kind == "chunks":
-                f.chunks += [(j, c, expire or self._refresh_all) for j, c, expire in op.payload
-                             if j not in self._void]
+                f.chunks += [
+                    (j, c, expire or self._refresh_all)
+                    for j, c, expire in op.payload
+                    if j not in self._void
+                ]
             elif op.kind == "end" and op.payload.job_id not in self._void:
                 f.ends.append(op.payload)
             elif op.kind == "fail":
