@@ -14,8 +14,8 @@ generated that many.
 Why scatters with values computed on the side, not mlx-lm's gather-then-assign:
 an MLX scatter reuses its input's buffer when nothing else reads that buffer,
 so a chain of them costs one copy of the (B, V) logits, while reading the array
-being updated forces a fresh copy (~16 ms each at (64, 152k) on the 2-core CPU
-here). So every update is a scatter (add, subtract, minimum, or a put) whose
+being updated forces a fresh copy (the cost is in docs/benchmarks.md). So every
+update is a scatter (add, subtract, minimum, or a put) whose
 values come from small (B, W) arrays or from the input logits, never from the
 chain. Each row's window is sorted once per step, so a distinct token is hit
 once where mlx-lm hits it once; entries that must change nothing write the

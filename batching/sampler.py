@@ -9,20 +9,19 @@ params: top_p, min_p and top_k cut the temperature-1 log-probs (all three keep a
 prefix of the ranked vocabulary, so together they keep the shortest prefix), then
 the kept tokens are drawn from ``softmax(logprobs / temperature)`` by Gumbel-max.
 
-Why not one full sort: sorting (64, 152k) log-probs takes ~740 ms on the 2-core
-CPU here, an argpartition for the top 1024 ~110 ms. So each row's cut is found
-among its top K candidates and the draw runs over those K only. A row whose cut
-lies beyond them (a nucleus wider than K, or no filter at all) is drawn over the
-whole vocabulary instead, after a full sort of just the rows whose top_p needs
-one; that stays exact, at mlx-lm's own cost. Knowing which rows those are takes
-one host sync per step, taken only when some row has a top_p or min_p and no
-top_k. (A sync-free 32-step bisection for the top-p threshold was tried: 2.4x
-slower than the sort on this CPU.)
+Why not one full sort on a CPU: there a sort of (B, 152k) log-probs costs several
+times an argpartition for the top 1024 (figures in docs/benchmarks.md). So each
+row's cut is found among its top K candidates and the draw runs over those K only.
+A row whose cut lies beyond them (a nucleus wider than K, or no filter at all) is
+drawn over the whole vocabulary instead, after a full sort of just the rows whose
+top_p needs one; that stays exact, at mlx-lm's own cost. Knowing which rows those
+are takes one host sync per step, taken only when some row has a top_p or min_p
+and no top_k. (A sync-free bisection for the top-p threshold was tried, and was
+slower than the sort.)
 
 On a GPU the trade is the other way round: a sort of the whole vocabulary is
 cheap there, and a host sync is not, since it stalls mlx-lm's pipelining of the
-next forward pass behind this one (on an H200, 0.5B 4-bit, the candidate path
-with its sync ran at 0.64x mlx-lm's shared sampler at batch 1). So with
+next forward pass behind this one (measured on the H200: docs/benchmarks.md). So with
 ``num_candidates=0``, the default on a GPU, every row's top_p and top_k
 thresholds come from ONE sort of the values and min_p from the row max, the
 draw is one masked Gumbel-argmax over the vocabulary, and nothing waits on the
@@ -275,8 +274,8 @@ def _subset(rows: RowParams, idx: tuple[int, ...]) -> RowParams:
 def _masked_argmax(
     x: mx.array, floor: mx.array, inv_temp: mx.array, g: mx.array, plain: mx.array
 ) -> mx.array:
-    # Compiled so the full-vocabulary passes fuse: otherwise ~1.5x slower than
-    # mlx-lm's own compiled categorical at (64, 152k).
+    # Compiled so the full-vocabulary passes fuse; uncompiled it was slower than
+    # mlx-lm's own compiled categorical.
     x32 = x.astype(mx.float32)
     z = mx.where(x >= floor, mx.where(plain, x32, x32 * inv_temp + g), _NEG_INF)
     return mx.argmax(z, axis=-1).astype(mx.uint32)
@@ -325,9 +324,9 @@ def _draw_narrow(
 
 
 def _num_candidates(rows: RowParams, vocab: int) -> int:
-    # An argpartition costs the same for K = 64 or 1024 at V = 152k (~110 ms at
-    # B = 64), and a wider K settles more nuclei without a full sort. At small V a
-    # full argsort is cheap but still ~4x an argpartition, hence the V // 8 cap.
+    # An argpartition costs about the same for K = 64 or 1024 at V = 152k, and a
+    # wider K settles more nuclei without a full sort. At small V a full argsort is
+    # cheap but still several times an argpartition, hence the V // 8 cap.
     if not rows.num_candidates:
         return vocab
     return min(vocab, max(min(rows.num_candidates, vocab // 8), rows.max_top_k, 1))
