@@ -12,8 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
+import redis
 
 from mlxq.producer import keys
 from mlxq.producer.client import (
@@ -26,7 +25,8 @@ from mlxq.producer.client import (
     latest_fields,
 )
 from mlxq.producer.codec import Chunk
-from mlxq.producer.connection import TRANSIENT, backoff
+from mlxq.producer.connection import TRANSIENT, backoff, connect_async
+from mlxq.producer.mux import RESYNC, AsyncSubscriber
 from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
 
 
@@ -65,17 +65,18 @@ class AsyncJob:
 
     async def _follow(self, follow: Follow) -> AsyncIterator[Chunk]:
         r = self._client.aredis
-        pubsub = r.pubsub(ignore_subscribe_messages=True)
+        sub = await self._client.subscriber.subscribe(keys.channel(self.id))
         try:
-            await pubsub.subscribe(keys.channel(self.id))
             while (action := follow.next()) != DONE:
                 if action == READ_LOG:
-                    out = follow.on_log(
-                        await r.xrange(keys.stream_key(self.id), min=f"0-{follow.after}")
-                    )
+                    try:
+                        entries = await r.xrange(keys.stream_key(self.id), min=f"0-{follow.after}")
+                    except redis.ResponseError:  # not a stream (a rogue key): see its state
+                        entries = []
+                    out = follow.on_log(entries)
                 elif action == WAIT:
-                    msg = await pubsub.get_message(timeout=follow.wait_s())
-                    out = follow.on_message(None if msg is None else msg["data"])
+                    data = await sub.get(follow.wait_s())
+                    out = follow.on_message(None if data == RESYNC else data)
                 elif action == STATUS:
                     out = follow.on_status(_status(await r.hget(keys.job_key(self.id), "status")))
                 elif action == END:
@@ -85,7 +86,7 @@ class AsyncJob:
                 for c in out:
                     yield c
         finally:
-            await pubsub.aclose()
+            await sub.close()
 
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the end and return the output; see :meth:`Job.result`."""
@@ -103,9 +104,8 @@ class AsyncClient:
         self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", **kw: Any
     ) -> None:
         self._sync = Client(redis_url, queue, **kw)
-        self.aredis = aioredis.Redis.from_url(
-            redis_url, retry=Retry(backoff(), 2), health_check_interval=30
-        )
+        self.aredis = connect_async(redis_url)
+        self.subscriber = AsyncSubscriber(self.aredis)
         self.queue_name = queue
 
     async def submit(self, prompt: str | None = None, **kw: Any) -> AsyncJob:
@@ -121,5 +121,6 @@ class AsyncClient:
         return AsyncJob(self, await asyncio.to_thread(self._sync.job, job_id))
 
     async def aclose(self) -> None:
+        await self.subscriber.aclose()
         await self.aredis.aclose()
         self._sync.close()

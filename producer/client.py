@@ -6,6 +6,7 @@ Imports neither MLX nor mlx-lm, so it runs in any web backend.
 from __future__ import annotations
 
 import base64
+import logging
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,8 +22,11 @@ from mlxq.producer import keys, scripts
 from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer
 from mlxq.producer.connection import TRANSIENT, backoff, connect
 from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob
+from mlxq.producer.mux import RESYNC, Subscriber
 from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, SamplingParams
 from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
+
+log = logging.getLogger("mlxq.producer")
 
 DEFAULT_REDIS_URL = keys.DEFAULT_REDIS_URL
 DEFAULT_RESULT_TTL = keys.DEFAULT_RESULT_TTL
@@ -164,18 +168,15 @@ class Job:
                 time.sleep(min(backoff().compute(failures), follow.wait_s()))
 
     def _follow(self, follow: Follow) -> Iterator[Chunk]:
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        # Subscribed (confirmed) before the first log read, so nothing falls between.
+        sub = self._client.subscriber.subscribe(keys.channel(self.id))
         try:
-            # Subscribe before the first log read, so nothing falls between the two.
-            pubsub.subscribe(keys.channel(self.id))
             while (action := follow.next()) != DONE:
                 if action == READ_LOG:
-                    yield from follow.on_log(
-                        self._redis.xrange(keys.stream_key(self.id), min=f"0-{follow.after}")
-                    )
+                    yield from follow.on_log(read_log(self._redis, self.id, follow.after))
                 elif action == WAIT:
-                    msg = pubsub.get_message(timeout=follow.wait_s())
-                    yield from follow.on_message(None if msg is None else msg["data"])
+                    data = sub.get(follow.wait_s())
+                    yield from follow.on_message(None if data == RESYNC else data)
                 elif action == STATUS:
                     yield from follow.on_status(
                         _status(self._redis.hget(keys.job_key(self.id), "status"))
@@ -183,7 +184,7 @@ class Job:
                 elif action == END:
                     yield from follow.on_end(*read_end(self._redis, self.id))
         finally:
-            pubsub.close()
+            sub.close()
 
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the job to end and return its output.
@@ -226,11 +227,26 @@ class Job:
         return verdict in ("canceled", "requested")
 
 
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}] (seconds for TTLs)")
+
+
 def _status(raw: Any) -> str | None:
     if raw is None:
         return None
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
     return _STATUS.get(text, "queued")
+
+
+def read_log(connection: redis.Redis, job_id: str, after: int) -> Any:
+    """The job's logged entries from seq ``after``; none when its log is not a stream
+    (a rogue key: the job's state then says how it ended)."""
+    try:
+        return connection.xrange(keys.stream_key(job_id), min=f"0-{after}")
+    except redis.ResponseError as e:
+        log.warning("job %s: its log cannot be read (%s)", job_id, e)
+        return []
 
 
 def cancel_job(connection: redis.Redis, job_id: str) -> str:
@@ -337,7 +353,16 @@ class Client:
     ) -> None:
         if not isinstance(queue, str) or not queue or len(queue) > 128:
             raise ValueError(f"queue={queue!r}: must be a non-empty string of at most 128 chars")
+        for name, value, lo, hi in (
+            ("max_tokens_cap", max_tokens_cap, 1, 1 << 24),
+            ("result_ttl", result_ttl, 1, keys.MAX_RECORD_TTL),
+            ("failure_ttl", failure_ttl, 1, keys.MAX_RECORD_TTL),
+        ):
+            _check_int(name, value, lo, hi)
+        if max_queued is not None:
+            _check_int("max_queued", max_queued, 0, 1 << 40)
         self.redis = connection or connect(redis_url)
+        self._subscriber: Subscriber | None = None
         self.queue_name = queue
         self.max_tokens_cap = max_tokens_cap
         self.result_ttl = result_ttl
@@ -474,5 +499,14 @@ class Client:
         j.status()
         return j
 
+    @property
+    def subscriber(self) -> Subscriber:
+        """The one pub/sub connection all of this client's streams share."""
+        if self._subscriber is None:
+            self._subscriber = Subscriber(self.redis)
+        return self._subscriber
+
     def close(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.close()
         self.redis.close()

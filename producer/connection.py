@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -32,6 +34,13 @@ def backoff() -> ExponentialBackoff:
     return ExponentialBackoff(cap=2.0, base=0.025)
 
 
+#: Connections one client keeps at most; more concurrent calls wait for a free one
+#: (redis-py's own pool would raise instead).
+MAX_CONNECTIONS = 64
+#: How long a call waits for a free connection before it fails.
+POOL_TIMEOUT_S = 30.0
+
+
 def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
     """A client for ``url`` whose single commands ride out a brief blip.
 
@@ -40,11 +49,32 @@ def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
         retries: Times redis-py retries a command on a dropped connection (the callers'
             own loops handle longer outages); 0 for calls that must not be repeated
             blindly.
-        **kw: Passed to ``redis.Redis.from_url``.
+        **kw: Passed to redis-py's connection pool (``socket_timeout`` and the like).
     """
     kw.setdefault("health_check_interval", 30)
     kw.setdefault("socket_keepalive", True)
-    return redis.Redis.from_url(url, retry=Retry(backoff(), retries), **kw)
+    kw.setdefault("max_connections", MAX_CONNECTIONS)
+    kw.setdefault("timeout", POOL_TIMEOUT_S)
+    retry = Retry(backoff(), retries)
+    pool = redis.BlockingConnectionPool.from_url(url, retry=retry, **kw)
+    client = redis.Redis(connection_pool=pool, retry=retry)
+    client.auto_close_connection_pool = True
+    return client
+
+
+def connect_async(url: str, *, retries: int = 2) -> aioredis.Redis:
+    """The asyncio twin of :func:`connect`."""
+    retry = AsyncRetry(backoff(), retries)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        retry=retry,
+        health_check_interval=30,
+        max_connections=MAX_CONNECTIONS,
+        timeout=POOL_TIMEOUT_S,
+    )
+    client = aioredis.Redis(connection_pool=pool, retry=retry)
+    client.auto_close_connection_pool = True
+    return client
 
 
 class Outage:

@@ -8,6 +8,7 @@ through :meth:`GenerationRequest.from_payload`, so the two can never disagree.
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +38,13 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 ParamKey = tuple[float, float, int, float]
 
 
+#: How much of a bad value an error message shows (any depth, any size: bounded).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 80, 80, 40
+
+
 def _bad(name: str, value: Any, why: str) -> PayloadError:
-    return PayloadError(f"{name}={value!r}: {why}")
+    return PayloadError(f"{name}={_SHORT.repr(value)}: {why}")
 
 
 def _number(name: str, value: Any) -> float:

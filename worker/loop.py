@@ -22,13 +22,14 @@ from typing import Any
 from mlxq.batching.admission import AdmissionPolicy, admit
 from mlxq.batching.window import Window
 from mlxq.producer.codec import Chunk
+from mlxq.producer.params import MAX_PROMPT_CHARS
 from mlxq.worker.bridge import Bridge, End
 from mlxq.worker.cancels import CancelListener
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.engine import Engine
 from mlxq.worker.jobs import Job, Status
 from mlxq.worker.liveness import Liveness
-from mlxq.worker.prefetch import Prefetcher, ttl_expired
+from mlxq.worker.prefetch import MAX_CHARS_PER_TOKEN, Prefetcher, ttl_expired
 from mlxq.worker.sink import Sink
 
 log = logging.getLogger("mlxq.worker")
@@ -40,6 +41,12 @@ MAX_ATTEMPTS = 3
 DEADLINE_CHECK_S = 0.1
 #: After stopping, how long the writer may take to commit what is left.
 SETTLE_S = 10.0
+
+
+def _max_prompt_chars(engine: Engine) -> int:
+    if not engine.max_context:
+        return MAX_PROMPT_CHARS
+    return min(MAX_PROMPT_CHARS, engine.max_context * MAX_CHARS_PER_TOKEN)
 
 
 class Worker:
@@ -63,6 +70,7 @@ class Worker:
             self.sink,
             self.engine.encode,
             max_tokens_cap=config.max_tokens_cap,
+            max_prompt_chars=_max_prompt_chars(self.engine),
             holds=self.holds,
             runs=self.runs,
         )
@@ -467,6 +475,7 @@ class Worker:
             "running": running,
             "buffered": sum(j.status is Status.BUFFERED for j in jobs),
             "pid": os.getpid(),
+            "cancels_ignored": self.cancels.ignored,
             "started_at": self.born,
             "batch_sizes": {str(k): v for k, v in sorted(c.batch_sizes.items())},
         }

@@ -29,6 +29,15 @@ log = logging.getLogger("mlxq.worker")
 
 #: Longest job id accepted; rq's are UUIDs, anything this long is no id of ours.
 MAX_ID_CHARS = 200
+#: Characters a token may stand for, at most, when a prompt's length is checked against
+#: the model's context before it is tokenized (tokenizing a huge prompt costs seconds).
+MAX_CHARS_PER_TOKEN = 32
+
+
+def prompt_chars(req: GenerationRequest) -> int:
+    if req.prompt is not None:
+        return len(req.prompt)
+    return sum(len(m["content"]) for m in req.messages or ())
 
 
 def _readable_id(raw: bytes) -> str | None:
@@ -76,6 +85,7 @@ class Prefetcher:
         encode: Tokenizes a request (raises ``PayloadError`` for a prompt the model
             cannot take).
         max_tokens_cap: Largest ``max_tokens`` accepted.
+        max_prompt_chars: Longest prompt (characters) worth tokenizing for this model.
         holds: Whether the worker holds a job id in any state (its end not committed).
         runs: Whether it holds it buffered or running (a second claim is a duplicate).
     """
@@ -87,11 +97,13 @@ class Prefetcher:
         encode: Callable[[GenerationRequest], list[int]],
         *,
         max_tokens_cap: int,
+        max_prompt_chars: int,
         holds: Callable[[str], bool],
         runs: Callable[[str], bool],
     ) -> None:
         self.bridge, self.sink, self.encode = bridge, sink, encode
         self.max_tokens_cap, self.is_held, self.runs = max_tokens_cap, holds, runs
+        self.max_prompt_chars = max_prompt_chars
         self.want = 0
         self.failed = 0
         self._ready: deque[Job] = deque()
@@ -228,6 +240,11 @@ class Prefetcher:
             if (why := ttl_expired(req, _timestamp(c.enqueued_at))) is not None:
                 self._fail(job_id, c, why)
                 return None
+            if (n := prompt_chars(req)) > self.max_prompt_chars:
+                raise PayloadError(
+                    f"prompt: {n} characters, more than this model's context "
+                    f"can hold (at most {self.max_prompt_chars})"
+                )
             ids = self.encode(req)
         except PayloadError as e:
             self._fail(job_id, c, f"invalid job: {e}")
