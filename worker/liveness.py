@@ -61,6 +61,7 @@ class Liveness:
         inbox: The decode loop's inbox: ``("reaped", None)`` and ``("cancel", ids)``.
         stats: Returns ``(state, stats map)`` for ``mlxq info``.
         held: Returns ``(held job ids, (id, execution id) of running jobs)``.
+        on_renewed: Called when the lease had lapsed and was taken again.
     """
 
     def __init__(
@@ -69,8 +70,10 @@ class Liveness:
         inbox: queue.SimpleQueue[tuple[str, Any]],
         stats: Callable[[], tuple[str, dict[str, Any]]],
         held: Callable[[], tuple[list[str], list[tuple[str, str]]]],
+        on_renewed: Callable[[], None] = lambda: None,
     ) -> None:
         self.bridge, self.inbox, self.stats, self.held = bridge, inbox, stats, held
+        self.on_renewed = on_renewed
         self.reaped_jobs = 0
         self._stop = threading.Event()
         self._poke = threading.Event()
@@ -128,11 +131,16 @@ class Liveness:
             )
             self._reported_epoch = self.bridge.epoch
             self.inbox.put(("reaped", self.bridge.epoch))
-        elif verdict == "renewed" and self._next:
-            log.warning(
-                "worker %s: lease had lapsed (a long stall?); nobody took its jobs",
-                self.bridge.name,
-            )
+        elif verdict == "renewed":
+            # The lease had lapsed: a long stall, or a Redis that restarted without its
+            # data (the logs of running jobs went with it and must get their TTL again).
+            self.on_renewed()
+            if self._next:
+                log.warning(
+                    "worker %s: lease had lapsed (a stall, or Redis restarted); nobody took "
+                    "its jobs",
+                    self.bridge.name,
+                )
 
     def _reap(self) -> None:
         for other, value in self.bridge.roll():

@@ -74,7 +74,9 @@ class Worker:
             holds=self.holds,
             runs=self.runs,
         )
-        self.liveness = Liveness(self.bridge, self.inbox, self.stats, self._held)
+        self.liveness = Liveness(
+            self.bridge, self.inbox, self.stats, self._held, on_renewed=self.sink.refresh_ttls
+        )
         self.cancels = CancelListener(self.bridge, self.inbox, self.holds)
         self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
         self.window = Window(config.window_ms / 1000, config.max_batch)

@@ -64,7 +64,8 @@ class Sink:
         self._outage = Outage(log, "writer")
         # After an outage every log's TTL is set again with its next chunk: a Redis that
         # restarted without its data recreates logs with their first write after it.
-        self._refresh_all = False
+        self._ttl_wanted = 0  # bumped when every log's TTL must be set again
+        self._ttl_done = 0  # the last bump a committed flush served
         self._thread = threading.Thread(target=self._run, name="mlxq-writer", daemon=True)
 
     def start(self) -> None:
@@ -94,6 +95,10 @@ class Sink:
 
     def _put(self, kind: str, job_ids: tuple[str, ...], payload: Any) -> None:
         self._q.put(_Op(self.bridge.epoch, kind, job_ids, payload))
+
+    def refresh_ttls(self) -> None:
+        """Set every log's TTL again with its next chunk (Redis may have lost them)."""
+        self._ttl_wanted += 1
 
     def close(self, timeout: float = 10.0) -> bool:
         """Write what is queued, then stop. Returns False if Redis would not take it
@@ -148,7 +153,7 @@ class Sink:
                 f.starts += op.payload
             elif op.kind == "chunks":
                 f.chunks += [
-                    (j, c, expire or self._refresh_all)
+                    (j, c, expire or self._ttl_done < self._ttl_wanted)
                     for j, c, expire in op.payload
                     if j not in self._void
                 ]
@@ -164,19 +169,22 @@ class Sink:
         def attempt() -> FlushReply | None:
             if self._abort.is_set():
                 raise _Stop
+            wanted = self._ttl_wanted
             flush = self._flush_of(ops)  # again each try: the lease may have moved on
             if not flush:
                 return None
             try:
                 reply = self.bridge.commit(flush)
             except LeaseLost:
+                # A lease gone may be a Redis that restarted empty, its logs with it.
+                self.refresh_ttls()
                 self.on_lease_lost()
                 raise
             except TRANSIENT:
-                self._refresh_all = True
+                self.refresh_ttls()
                 raise
             if flush.chunks:
-                self._refresh_all = False
+                self._ttl_done = max(self._ttl_done, wanted)
             return reply
 
         reply = retry_forever(attempt, self._outage, (*TRANSIENT, LeaseLost))

@@ -1,0 +1,280 @@
+"""Whatever one key, id, message or entry in Redis holds, the worker fails or drops that
+one thing with a reason and serves on; frozen and dead workers end every job once."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+import zlib
+
+import pytest
+import redis
+from test_faults import Listener, _attempts, _long_jobs, _wait_running
+
+from mlxq.producer import Client, JobFailed, MlxqError, keys
+
+pytestmark = pytest.mark.e2e
+
+
+def _results(r: redis.Redis, job_id: str) -> int:
+    return int(r.xlen(keys.results_key(job_id)))
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def _stats(r: redis.Redis, name: str) -> dict:
+    from mlxq.producer.codec import MsgpackSerializer
+
+    raw = r.hget(keys.worker_stats_key(name), "stats")
+    return MsgpackSerializer.loads(raw) if raw else {}
+
+
+def test_poisoned_records_fail_alone_and_bombs_are_refused(
+    redis_server, queue_name, start_worker, r
+):
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = {
+        k: client.submit(f"job {k}", max_tokens=4)
+        for k in ("attempt", "stream", "nodata", "junk", "bomb", "excbomb", "good")
+    }
+    jk = {k: keys.job_key(j.id) for k, j in jobs.items()}
+    r.hset(jk["attempt"], "mlxq_attempt", "notanint")
+    r.set(keys.stream_key(jobs["stream"].id), "x")  # a log key of the wrong type
+    r.hdel(jk["nodata"], "data")
+    r.hset(jk["junk"], "data", b"\x00\xc1junk")
+    r.hset(jk["bomb"], "data", zlib.compress(b"\0" * (64 << 20)))  # 64 MiB inflated
+    r.hset(jk["excbomb"], "exc_info", zlib.compress(b"\0" * (256 << 20)))
+    w = start_worker()  # only now: every rogue record is in place first
+    reasons = {}
+    for k in ("attempt", "nodata", "junk", "bomb"):
+        with pytest.raises(JobFailed) as e:
+            jobs[k].result(timeout=60)
+        reasons[k] = e.value.reason
+    assert "mlxq_attempt=notanint" in reasons["attempt"]
+    assert "no job data" in reasons["nodata"]
+    assert "msgpack" in reasons["junk"]
+    assert "inflates past" in reasons["bomb"]
+    for k in ("stream", "excbomb", "good"):
+        res = jobs[k].result(timeout=60)
+        assert "".join(c.text for c in jobs[k].stream(timeout=10)) == res.text
+    assert _rss_mb(w.proc.pid) < 500, "nothing was inflated"
+    assert client.submit("still serving", max_tokens=3).result(timeout=60).token_ids
+
+
+def test_rogue_entries_and_messages_while_a_job_runs(redis_server, queue_name, start_worker, r):
+    w = start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    (job,) = _long_jobs(client, 1, tokens=600)
+    (other,) = _long_jobs(client, 1, tokens=2000)
+    listener = Listener(job)
+    _wait_running([job, other], 2)
+    stream, chan = keys.stream_key(job.id), keys.channel(job.id)
+    r.xadd(stream, {"c": b"\xc1 not a chunk"}, id="99999999-0")  # a forged, far-off entry
+    r.publish(chan, b"\xff\xfe not msgpack")
+    r.rpush(keys.queue_key(queue_name), job.id)  # the same id queued twice
+    r.rpush(keys.queue_key(queue_name), b"\xc3\x28")  # an id that is not UTF-8
+    cancel_chan = keys.cancel_channel(w.name)
+    r.publish(cancel_chan, b"\xff\xfe")
+    with r.pipeline(transaction=False) as p:
+        for i in range(2000):
+            p.publish(cancel_chan, f"forged-{i}")
+        p.execute()
+    res = job.result(timeout=120)
+    listener.check()
+    assert "".join(c.text for c in client.job(job.id).stream(timeout=10)) == res.text
+    assert _attempts(r, job) == 1 and _results(r, job.id) == 1
+    assert other.cancel() is True, "the cancel listener outlived the junk"
+    assert [c.finish_reason for c in other.stream(timeout=60)][-1] == "canceled"
+    assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+    deadline = time.monotonic() + 10
+    while r.llen(keys.wip_key(w.name)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert r.llen(keys.wip_key(w.name)) == 0, "no stray entry stays in the WIP list"
+    assert _stats(r, w.name).get("cancels_ignored", 0) >= 2000
+
+
+def test_a_log_key_made_the_wrong_type_fails_that_job_alone(
+    redis_server, queue_name, start_worker, r
+):
+    start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    victim, bystander = _long_jobs(client, 2, tokens=1500)
+    _wait_running([victim, bystander], 2)
+    time.sleep(0.2)
+    with r.pipeline() as p:
+        p.delete(keys.stream_key(victim.id))
+        p.set(keys.stream_key(victim.id), "x")
+        p.execute()
+    with pytest.raises(JobFailed, match="replay log"):
+        victim.result(timeout=60)
+    with pytest.raises(JobFailed):  # a listener gets the reason, not a raw Redis error
+        list(victim.stream(timeout=10))
+    assert bystander.result(timeout=120).finish_reason in ("stop", "length")
+
+
+def test_a_frozen_worker_ends_every_job_exactly_once(redis_server, queue_name, start_worker, r):
+    a = start_worker(max_batch=4, window_ms=0)
+    client = Client(redis_server.url, queue=queue_name)
+    long = _long_jobs(client, 4, tokens=2000)
+    _wait_running(long, 4)
+    b = start_worker(max_batch=8, window_ms=0)
+    a.signal(signal.SIGSTOP)
+    # Submitted while it is frozen: a blocked claim of the frozen worker may take them.
+    short = client.submit_many([dict(prompt=f"short {i}", max_tokens=8) for i in range(6)])
+    time.sleep(8)  # past its lease: the live worker reaps it
+    a.signal(signal.SIGCONT)
+    for j in [*long, *short]:
+        assert j.result(timeout=120).finish_reason in ("stop", "length")
+    time.sleep(2)  # the woken worker had time to write, had it still thought it owned them
+    for j in [*long, *short]:
+        assert j.status() == "finished", j.id
+        assert _results(r, j.id) == 1, f"{j.id} ended more than once"
+    assert all(_attempts(r, j) == 2 for j in long)
+    assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+    assert a.stop() == 0 and b.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_cancel_of_a_job_whose_worker_died_or_froze(redis_server, queue_name, start_worker, r, how):
+    a = start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    (job,) = _long_jobs(client, 1, tokens=1900)
+    _wait_running([job], 1)
+    a.signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    assert job.cancel() is True
+    start_worker(max_batch=4)
+    chunks = list(job.stream(timeout=60))
+    assert chunks[-1].finish_reason == "canceled"
+    assert job.status() == "canceled" and _results(r, job.id) == 0
+    if how == "freeze":
+        a.signal(signal.SIGCONT)
+        time.sleep(2)
+        assert job.status() == "canceled"
+
+
+def test_cancel_through_a_client_of_another_queue(redis_server, queue_name, start_worker):
+    start_worker()
+    client = Client(redis_server.url, queue=queue_name)
+    queued = Client(redis_server.url, queue="somewhere-else")
+    (running,) = _long_jobs(client, 1, tokens=1900)
+    _wait_running([running], 1)
+    assert queued.job(running.id).cancel() is True
+    assert [c.finish_reason for c in running.stream(timeout=60)][-1] == "canceled"
+
+
+def test_cancel_returns_true_only_when_the_job_ends_canceled(
+    redis_server, queue_name, start_worker, r
+):
+    start_worker(max_batch=8, window_ms=0)
+    client = Client(redis_server.url, queue=queue_name)
+    rng = random.Random(7)
+    verdicts = []
+    for i in range(40):
+        job = client.submit(f"race {i}", max_tokens=6, temperature=1.0, seed=i)
+        next(iter(job.stream(timeout=60)))
+        time.sleep(rng.uniform(0, 0.01))  # around the moment it ends
+        verdicts.append((job, job.cancel()))
+    for job, said in verdicts:
+        with pytest.raises(JobFailed) if said else _nothing():
+            job.result(timeout=60)
+        assert (job.status() == "canceled") is said, (job.id, said, job.status())
+    assert any(s for _, s in verdicts) and not all(s for _, s in verdicts), "both sides raced"
+    assert not list(r.scan_iter("mlxq:cancels:*")), "no cancel set grows"
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_clean_restarts_are_not_failed_attempts(redis_server, queue_name, start_worker, r):
+    client = Client(redis_server.url, queue=queue_name)
+    (job,) = _long_jobs(client, 1, tokens=1500)
+    for _ in range(3):  # three clean restarts in the middle of one long job
+        w = start_worker(grace_s=0)
+        _wait_running([job], 1)
+        time.sleep(0.3)
+        w.signal(signal.SIGTERM)
+        assert w.proc.wait(30) == 0
+    start_worker()
+    assert job.result(timeout=120).finish_reason in ("stop", "length")
+    assert _attempts(r, job) == 4 and int(r.hget(keys.job_key(job.id), "mlxq_clean")) == 3
+
+
+def test_a_log_outlives_a_job_that_runs_past_its_ttl(redis_server, queue_name, start_worker, r):
+    start_worker(stream_ttl=2, stream_interval_ms=0)
+    client = Client(redis_server.url, queue=queue_name)
+    (job,) = _long_jobs(client, 1, tokens=1200)
+    _wait_running([job], 1)
+    stream, ttls = keys.stream_key(job.id), []
+    while job.status() == "started":
+        ttls.append(r.ttl(stream))
+        time.sleep(0.1)
+    res = job.result(timeout=120)
+    assert ttls and -1 not in ttls, "the log never lived without a TTL"
+    assert -2 not in ttls[1:-1], "nor expired while its job ran"
+    assert "".join(c.text for c in client.job(job.id).stream(timeout=10)) == res.text
+
+
+def test_writes_refused_for_memory_are_retried_in_order(redis_server, queue_name, start_worker, r):
+    start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = _long_jobs(client, 2, tokens=1500)
+    listeners = [Listener(j) for j in jobs]
+    _wait_running(jobs, 2)
+    used = int(r.info("memory")["used_memory"])
+    try:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", used + 64 * 1024)
+        time.sleep(3)
+    finally:
+        r.config_set("maxmemory", 0)
+    for lis in listeners:
+        lis.check()  # no gap, no duplicate, text equal to the result
+    assert all(_attempts(r, j) == 1 for j in jobs), "nobody reaped the worker meanwhile"
+
+
+def test_a_redis_without_persistence_restarting_mid_job(tmp_path, queue_name, start_worker):
+    from conftest import RedisServer
+
+    server = RedisServer(tmp_path, persist=False)
+    try:
+        start_worker(max_batch=4, redis_url=server.url, stream_interval_ms=0)
+        client = Client(server.url, queue=queue_name)
+        (job,) = _long_jobs(client, 1, tokens=1900)
+        seen: list[BaseException] = []
+        chunks: list[str] = []
+
+        def listen() -> None:
+            try:
+                for c in job.stream(timeout=120):
+                    chunks.append(c.text)
+            except BaseException as e:  # reported on the test thread
+                seen.append(e)
+
+        t = threading.Thread(target=listen, daemon=True)
+        t.start()
+        _wait_running([job], 1)
+        time.sleep(0.3)
+        server.restart()  # the queue, the job and its log are gone
+        t.join(120)
+        assert seen and isinstance(seen[0], MlxqError), "an error, never silent wrong text"
+        r = redis.Redis.from_url(server.url)
+        for _ in range(100):  # the worker still runs the row: its log comes back, with a TTL
+            if r.exists(keys.stream_key(job.id)):
+                break
+            time.sleep(0.05)
+        if r.exists(keys.stream_key(job.id)):
+            assert r.ttl(keys.stream_key(job.id)) > 0
+        assert client.submit("after the restart", max_tokens=3).result(timeout=60).token_ids
+    finally:
+        server.stop()
