@@ -1,0 +1,87 @@
+"""Many streams on one client: one pub/sub connection for all, every chunk exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from mlxq.producer import AsyncClient, Client
+
+pytestmark = pytest.mark.e2e
+
+N = 300
+
+
+def _pubsub_clients(r: redis.Redis) -> int:
+    return sum(1 for c in r.client_list() if int(c.get("sub", 0)) or int(c.get("psub", 0)))
+
+
+def test_hundreds_of_threads_stream_through_one_pubsub_connection(
+    redis_server, queue_name, start_worker, r
+):
+    start_worker(max_batch=64, window_ms=50)
+    before = _pubsub_clients(r)
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = client.submit_many(
+        [dict(prompt=f"stream {i}", max_tokens=6, temperature=1.0, seed=i) for i in range(N)]
+    )
+    peak = [0]
+
+    def follow(i: int) -> str:
+        text = "".join(c.text for c in jobs[i].stream(timeout=120))
+        peak[0] = max(peak[0], _pubsub_clients(r))
+        return text
+
+    with ThreadPoolExecutor(N) as pool:
+        texts = list(pool.map(follow, range(N)))
+    assert texts == [j.result(timeout=10).text for j in jobs]
+    assert peak[0] - before <= 1, "all of this client's streams shared one connection"
+    client.close()
+
+
+def test_hundreds_of_async_streams_through_one_pubsub_connection(
+    redis_server, queue_name, start_worker, r
+):
+    start_worker(max_batch=64, window_ms=50)
+    before = _pubsub_clients(r)
+
+    async def go() -> tuple[list[str], list[str], int]:
+        client = AsyncClient(redis_server.url, queue=queue_name)
+        jobs = await client.submit_many(
+            [dict(prompt=f"async {i}", max_tokens=6, temperature=1.0, seed=i) for i in range(N)]
+        )
+
+        async def follow(job) -> str:
+            return "".join([c.text async for c in job.stream(timeout=120)])
+
+        texts = await asyncio.gather(*map(follow, jobs))
+        peak = _pubsub_clients(r)
+        results = [(await j.result(timeout=10)).text for j in jobs]
+        await client.aclose()
+        return list(texts), results, peak
+
+    texts, results, peak = asyncio.run(go())
+    assert texts == results
+    assert peak - before <= 1
+
+
+def test_client_settings_are_checked_by_name():
+    for kw, field in (
+        (dict(result_ttl=-1), "result_ttl=-1"),
+        (dict(result_ttl=0), "result_ttl=0"),
+        (dict(failure_ttl=10**12), "failure_ttl"),
+        (dict(max_queued=-1), "max_queued"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            Client("redis://127.0.0.1:1/0", **kw)
+
+
+def test_metadata_nested_past_any_limit_is_refused_by_name(redis_server, queue_name):
+    deep: dict = {}
+    for _ in range(100_000):
+        deep = {"a": deep}
+    with pytest.raises(ValueError, match="metadata"):
+        Client(redis_server.url, queue=queue_name).submit("x", metadata=deep)
