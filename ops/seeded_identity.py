@@ -21,7 +21,7 @@ from mlxq.worker.jobs import Job
 def run(engine: Engine, jobs: dict[str, GenerationRequest]) -> dict[str, list[int]]:
     records = [Job(j, req, engine.encode(req)) for j, req in jobs.items()]
     for job in records:
-        job.start("exec", engine.new_detokenizer())
+        job.start("exec", engine.new_detokenizer)
     engine.add(records)
     while engine.active:
         engine.step()

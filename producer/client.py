@@ -23,7 +23,12 @@ from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer
 from mlxq.producer.connection import TRANSIENT, backoff, connect
 from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob
 from mlxq.producer.mux import RESYNC, Subscriber
-from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, SamplingParams
+from mlxq.producer.params import (
+    MAX_TOKENS_CAP,
+    GenerationRequest,
+    SamplingParams,
+    logits_params,
+)
 from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
 
 log = logging.getLogger("mlxq.producer")
@@ -56,26 +61,64 @@ class QueueFull(MlxqError):
 
 
 @dataclass(frozen=True, slots=True)
+class Choice:
+    """One sample of a job's prompt (a job asking ``n=3`` has three).
+
+    Attributes:
+        index: 0 to n - 1.
+        text, token_ids, finish_reason: As :class:`Result`'s, for this sample.
+        logprobs: With ``logprobs=True``, one entry per token of ``token_ids``, in
+            OpenAI's chat shape: ``{"token", "logprob", "bytes", "top_logprobs":
+            [{"token", "logprob", "bytes"}, ...]}``; else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """A finished job's output.
 
     Attributes:
-        text: The whole completion.
+        text: The whole completion (of the first choice when ``n > 1``).
         token_ids: Its tokens (without the end-of-sequence token).
-        finish_reason: ``"stop"`` (end of sequence or a stop string) or ``"length"``.
-        usage: ``{"prompt_tokens": int, "completion_tokens": int}``.
+        finish_reason: ``"stop"`` (end of sequence, a stop string or stop token) or
+            ``"length"``.
+        usage: ``{"prompt_tokens": int, "completion_tokens": int}`` (every choice's).
+        choices: Every sample, ``choices[0]`` being the one above.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str
     usage: dict[str, int]
+    choices: list[Choice]
+
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        return self.choices[0].logprobs
 
     @classmethod
     def from_value(cls, v: Any) -> Result:
         if not isinstance(v, Mapping):
             raise MlxqError(f"result={v!r}: not an mlxq result")
-        return cls(v["text"], list(v["token_ids"]), v["finish_reason"], dict(v["usage"]))
+        raw = v.get("choices") or [{**v, "index": 0}]
+        choices = [
+            Choice(
+                int(c["index"]),
+                c["text"],
+                list(c["token_ids"]),
+                c["finish_reason"],
+                c.get("logprobs"),
+            )
+            for c in raw
+        ]
+        first = choices[0]
+        return cls(first.text, first.token_ids, first.finish_reason, dict(v["usage"]), choices)
 
 
 def build_request(
@@ -92,9 +135,26 @@ def build_request(
     metadata: Mapping[str, Any] | None = None,
     timeout: float | None = None,
     ttl: float | None = None,
+    n: int = 1,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    min_tokens: int = 0,
     max_tokens_cap: int = MAX_TOKENS_CAP,
 ) -> GenerationRequest:
     """Check a submit's arguments; see :meth:`Client.submit`."""
+    logits = logits_params(
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=logit_bias,
+        stop_token_ids=tuple(stop_token_ids) if stop_token_ids is not None else (),
+        min_tokens=min_tokens,
+    )
     return GenerationRequest(
         prompt=prompt,
         messages=tuple(messages) if messages is not None else None,  # type: ignore[arg-type]
@@ -105,6 +165,10 @@ def build_request(
         timeout=timeout,
         ttl=ttl,
         max_tokens_cap=max_tokens_cap,
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        logits=logits,
     )
 
 
@@ -385,6 +449,15 @@ class Client:
         metadata: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         ttl: float | None = None,
+        n: int = 1,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> Job:
         """Queue one generation job.
 
@@ -404,6 +477,21 @@ class Client:
                 ("timeout: ..."). None: no limit.
             ttl: Seconds the job may wait in the queue; a job not started by then
                 fails ("ttl expired: ..."). None: no limit.
+            n: Samples of the prompt, 1 to 16, as ``Result.choices``; choice i of a
+                seeded job is seeded ``seed + i``.
+            logprobs: Report each sampled token's log-probability (of the model's
+                distribution after penalties and bias, before temperature and the
+                top_p / top_k / min_p filters, as OpenAI reports them).
+            top_logprobs: With ``logprobs``, also the 0 to 20 most likely tokens.
+            presence_penalty: In [-2, 2]: subtracted once from the logit of each
+                token among the last 20 of prompt and output (OpenAI's meaning).
+            frequency_penalty: In [-2, 2]: subtracted once per occurrence there.
+            repetition_penalty: > 0, as mlx-lm's (x * p if x < 0 else x / p for
+                each token among the last 20); None or 1 disables it.
+            logit_bias: Token id to a bias in [-100, 100] added to its logit.
+            stop_token_ids: Token ids that end the completion (kept out of it).
+            min_tokens: Until this many tokens are made, end-of-sequence and
+                ``stop_token_ids`` cannot be sampled.
 
         Returns:
             The job's handle.
@@ -428,6 +516,15 @@ class Client:
                     metadata=metadata,
                     timeout=timeout,
                     ttl=ttl,
+                    n=n,
+                    logprobs=logprobs,
+                    top_logprobs=top_logprobs,
+                    presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty,
+                    repetition_penalty=repetition_penalty,
+                    logit_bias=logit_bias,
+                    stop_token_ids=stop_token_ids,
+                    min_tokens=min_tokens,
                 )
             ]
         )[0]

@@ -54,15 +54,21 @@ class Chunk:
     """A piece of one job's output, as streamed.
 
     Attributes:
-        seq: 1, 2, 3... per job, across attempts; listeners dedupe and order by it.
+        seq: 1, 2, 3... per job (a re-run numbers from its own base, see
+            :func:`first_seq`); listeners dedupe and order by it.
         text: Text decoded from ``token_ids`` (never a split multi-byte character).
         token_ids: The tokens this chunk adds.
-        finish_reason: None except on the job's last chunk: ``"stop"``,
+        finish_reason: None except on the last chunk of a choice: ``"stop"``,
             ``"length"``, ``"canceled"`` or ``"error"``.
         kind: ``"tokens"``, ``"error"`` (``error`` says why) or ``"reset"``.
         attempt: Which run of the job made it (1 unless the job was re-run).
-        usage: On the last chunk, ``{"prompt_tokens", "completion_tokens"}``.
+        usage: On the job's last chunk, ``{"prompt_tokens", "completion_tokens"}``.
         error: The failure reason, for ``kind == "error"``.
+        index: Which choice the text belongs to (jobs with ``n > 1``).
+        logprobs: With ``logprobs=True``, one entry per token of ``token_ids``:
+            ``{"token", "logprob", "bytes", "top_logprobs": [...]}``.
+        done: Whether this is the job's last chunk; None reads as "it ends a
+            choice", which for one choice is the same thing.
     """
 
     seq: int
@@ -73,10 +79,14 @@ class Chunk:
     attempt: int = 1
     usage: dict[str, int] | None = None
     error: str | None = None
+    index: int = 0
+    logprobs: list[dict[str, Any]] | None = None
+    done: bool | None = None
 
     @property
     def final(self) -> bool:
-        return self.finish_reason is not None
+        """The job's last chunk: its stream ends here."""
+        return self.finish_reason is not None if self.done is None else self.done
 
 
 def encode_chunk(c: Chunk) -> bytes:
@@ -87,6 +97,12 @@ def encode_chunk(c: Chunk) -> bytes:
         m["u"] = c.usage
     if c.error is not None:
         m["e"] = c.error
+    if c.index:
+        m["n"] = c.index
+    if c.logprobs is not None:
+        m["l"] = c.logprobs
+    if c.done is not None:
+        m["d"] = c.done
     return msgpack.packb(m, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -139,7 +155,21 @@ def decode_chunk(data: bytes) -> Chunk:
         raise PayloadError(f"chunk.usage={usage!r}: must be a map of token counts")
     if error is not None and not isinstance(error, str):
         raise PayloadError(f"chunk.error={error!r}: must be a string")
-    return Chunk(seq, text, ids, fin, kind, attempt, usage, error)
+    index, logprobs, done = _extras(m)
+    return Chunk(seq, text, ids, fin, kind, attempt, usage, error, index, logprobs, done)
+
+
+def _extras(m: dict[str, Any]) -> tuple[int, list[dict[str, Any]] | None, bool | None]:
+    index, logprobs, done = m.get("n", 0), m.get("l"), m.get("d")
+    if type(index) is not int or not 0 <= index < 1024:
+        raise PayloadError(f"chunk.index={index!r}: must be a small integer >= 0")
+    if logprobs is not None and not (
+        isinstance(logprobs, list) and all(isinstance(e, dict) for e in logprobs)
+    ):
+        raise PayloadError("chunk.logprobs: must be a list of maps")
+    if done is not None and not isinstance(done, bool):
+        raise PayloadError(f"chunk.done={done!r}: must be true or false")
+    return index, logprobs, done
 
 
 def encode_job_data(payload: dict[str, Any]) -> bytes:

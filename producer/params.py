@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from mlxq.batching.logits_params import NOTHING, LogitsParams
 from mlxq.producer.errors import PayloadError
 
 PAYLOAD_VERSION = 1
@@ -32,6 +33,20 @@ MAX_TOP_K = 1 << 20
 MAX_METADATA_BYTES = 64 * 1024
 #: Longest ``timeout`` / ``ttl`` a job may ask for, in seconds (a week).
 MAX_DEADLINE_S = 7 * 24 * 3600.0
+#: Most samples (``n``) of one prompt a job may ask for.
+MAX_N = 16
+#: Most alternatives per position ``top_logprobs`` may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+#: The LogitsParams fields a payload carries as plain values.
+LOGITS_FIELDS = (
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "min_tokens",
+)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 #: A sampling-parameter key: jobs with equal keys can share one plain sampler.
@@ -192,6 +207,10 @@ class GenerationRequest:
     timeout: float | None = None
     ttl: float | None = None
     max_tokens_cap: int = MAX_TOKENS_CAP
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logits: LogitsParams | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -220,6 +239,27 @@ class GenerationRequest:
                 object.__setattr__(self, name, v)
         if self.metadata is not None:
             object.__setattr__(self, "metadata", _metadata(self.metadata))
+        self._check_samples()
+
+    def _check_samples(self) -> None:
+        if not 1 <= _integer("n", self.n) <= MAX_N:
+            raise _bad("n", self.n, f"must be in [1, {MAX_N}]")
+        if not isinstance(self.logprobs, bool):
+            raise _bad("logprobs", self.logprobs, "must be true or false")
+        if not 0 <= _integer("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", self.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise _bad("top_logprobs", self.top_logprobs, "needs logprobs=True")
+        if self.logits is not None and not isinstance(self.logits, LogitsParams):
+            raise _bad("logits", self.logits, "must be LogitsParams")
+        if self.logits is not None and not (self.logits.active or self.logits.stop_token_ids):
+            object.__setattr__(self, "logits", None)
+
+    @property
+    def choice_seeds(self) -> list[int | None]:
+        """Each choice's seed: the job's seed plus the choice's index (None: unseeded)."""
+        seed = self.sampling.seed
+        return [None if seed is None else (seed + i) % (MAX_SEED + 1) for i in range(self.n)]
 
     def to_payload(self) -> dict[str, Any]:
         """The msgpack-ready map stored as the rq job's only argument."""
@@ -238,7 +278,27 @@ class GenerationRequest:
             "metadata": dict(self.metadata) if self.metadata is not None else None,
             "timeout": self.timeout,
             "ttl": self.ttl,
+            **self._extras(),
         }
+
+    def _extras(self) -> dict[str, Any]:
+        # Written only when set, so a job asking for none of them reads as before.
+        out: dict[str, Any] = {}
+        if self.n != 1:
+            out["n"] = self.n
+        if self.logprobs:
+            out["logprobs"], out["top_logprobs"] = True, self.top_logprobs
+        lp = self.logits
+        if lp is not None:
+            for name in LOGITS_FIELDS:
+                value = getattr(lp, name)
+                if value != getattr(NOTHING, name):
+                    out[name] = value
+            if lp.logit_bias:
+                out["logit_bias"] = [[k, v] for k, v in lp.logit_bias.items()]
+            if lp.stop_token_ids:
+                out["stop_token_ids"] = list(lp.stop_token_ids)
+        return out
 
     @classmethod
     def from_payload(
@@ -268,6 +328,12 @@ class GenerationRequest:
             "metadata",
             "timeout",
             "ttl",
+            "n",
+            "logprobs",
+            "top_logprobs",
+            "logit_bias",
+            "stop_token_ids",
+            *LOGITS_FIELDS,
         }
         unknown = sorted(str(k) for k in payload if k not in known)
         if unknown:
@@ -289,4 +355,34 @@ class GenerationRequest:
             timeout=payload.get("timeout"),
             ttl=payload.get("ttl"),
             max_tokens_cap=max_tokens_cap,
+            n=payload.get("n", 1),
+            logprobs=payload.get("logprobs", False),
+            top_logprobs=payload.get("top_logprobs", 0),
+            logits=logits_params(
+                **{k: payload[k] for k in LOGITS_FIELDS if k in payload},
+                logit_bias=_bias_pairs(payload.get("logit_bias")),
+                stop_token_ids=payload.get("stop_token_ids", ()),
+            ),
         )
+
+
+def logits_params(**kw: Any) -> LogitsParams | None:
+    """The :class:`LogitsParams` of a request, None when it asks for nothing.
+
+    Raises:
+        PayloadError: naming the field and the bad value.
+    """
+    try:
+        lp = LogitsParams(**kw)
+    except ValueError as e:
+        raise PayloadError(str(e)) from None
+    return lp if lp.active or lp.stop_token_ids else None
+
+
+def _bias_pairs(value: Any) -> Any:
+    # logit_bias travels as [[id, bias], ...] (msgpack maps need string keys here).
+    if value is None or isinstance(value, Mapping):
+        return value
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise _bad("logit_bias", value, "must be a map of token id to bias")
+    return {k: v for k, v in value}

@@ -28,7 +28,7 @@ def _req(prompt: str, n: int, **sp) -> GenerationRequest:
 
 def _job(engine: Engine, name: str, req: GenerationRequest) -> Job:
     job = Job(name, req, engine.encode(req))
-    job.start("exec", engine.new_detokenizer())
+    job.start("exec", engine.new_detokenizer)
     return job
 
 
@@ -95,7 +95,7 @@ def test_multibyte_text_is_never_split(loaded):
     (uid,) = list(engine._rows)
     pieces = []
     for t in tok.encode(text, add_special_tokens=False):
-        engine._on_token(uid, job, t, None)
+        engine._on_token(uid, job, 0, t, None, None)
         pieces.append(job.chunk_due(0.0, 0.0).text if job.has_output else "")
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
@@ -108,10 +108,10 @@ def test_stop_strings_end_the_row_and_are_not_emitted(loaded):
     engine.add([job])
     (uid,) = list(engine._rows)
     for t in tok.encode("one two STOP three", add_special_tokens=False):
-        engine._on_token(uid, job, t, None)
-        if job.finish_reason:
+        engine._on_token(uid, job, 0, t, None, None)
+        if job.choices[0].finish_reason:
             break
-    assert job.finish_reason == "stop" and "".join(job.text) == "one two "
+    assert job.choices[0].finish_reason == "stop" and "".join(job.text) == "one two "
     assert engine.active == 0
 
 

@@ -1,10 +1,11 @@
 """The one record a job is inside the worker, from its claim to its committed end.
 
 A :class:`Job` is created when the worker claims it (BUFFERED: decoded, tokenized,
-waiting for a row), moves to RUNNING when it takes a batch row, and to ENDING when it
-leaves the batch (its row is free at once; its end is being committed behind it). It owns
-everything about that run: request, prompt tokens, rq execution, attempt, deadline, the
-text made so far, and it alone numbers its chunks.
+waiting for rows), moves to RUNNING when its rows join the batch, and to ENDING when it
+leaves the batch (its rows are free at once; its end is being committed behind it). It
+owns everything about that run: request, prompt tokens, rq execution, attempt, deadline,
+one :class:`Choice` per sample (``n``) with the text made so far, and it alone numbers
+its chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,61 @@ class Status(str, Enum):
     BUFFERED = "buffered"
     RUNNING = "running"
     ENDING = "ending"
+
+
+@dataclass(slots=True, eq=False)
+class Choice:
+    """One sample of the job's prompt: one batch row's output."""
+
+    index: int
+    detok: Any
+    stops: StopMatcher
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    generated: int = 0  # tokens sampled, end-of-sequence included (usage counts it)
+    closed: bool = False  # its last chunk went out
+    out_text: list[str] = field(default_factory=list)
+    out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self.out_text or self.out_ids)
+
+    @property
+    def due(self) -> bool:
+        """It has output to send, or an end not yet sent."""
+        return self.has_output or (self.finish_reason is not None and not self.closed)
+
+    def emit(self, text: str, token_ids: list[int], logprobs: list[dict[str, Any]]) -> None:
+        if text:
+            self.out_text.append(text)
+            self.text.append(text)
+        if token_ids:
+            self.out_ids.extend(token_ids)
+            self.token_ids.extend(token_ids)
+        if self.logprobs is not None and logprobs:
+            self.out_logprobs.extend(logprobs)
+            self.logprobs.extend(logprobs)
+
+    def take(self) -> tuple[str, list[int], list[dict[str, Any]] | None]:
+        """What it made since its last chunk."""
+        text, ids, lps = "".join(self.out_text), self.out_ids, self.out_logprobs
+        self.out_text, self.out_ids, self.out_logprobs = [], [], []
+        return text, ids, (lps if self.logprobs is not None else None)
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": self.index,
+            "text": "".join(self.text),
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+        }
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -56,14 +112,8 @@ class Job:
     first_token_at: float | None = None
     deadline: float | None = None  # time.monotonic() past which it fails (its timeout)
     seq: int = 0  # the last seq handed out
-    generated: int = 0  # tokens sampled, end-of-sequence included (usage counts it)
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    detok: Any = None
-    stops: StopMatcher | None = None
+    choices: list[Choice] = field(default_factory=list)
     finish_reason: str | None = None
-    _out_text: list[str] = field(default_factory=list)
-    _out_ids: list[int] = field(default_factory=list)
     _streamed: bool = False
     last_chunk_at: float = 0.0
     ttl_refreshed_at: float = 0.0
@@ -82,12 +132,30 @@ class Job:
         return self.attempts_before - self.clean_requeues
 
     @property
-    def has_output(self) -> bool:
-        return bool(self._out_text or self._out_ids)
+    def generated(self) -> int:
+        return sum(c.generated for c in self.choices)
 
-    def start(self, execution_id: str, detok: Any) -> list[Chunk]:
-        """Take a batch row. Returns the chunks to write first: a ``reset`` when an
-        earlier run streamed text listeners must now discard."""
+    @property
+    def text(self) -> list[str]:
+        """The first choice's text so far (the only one unless ``n > 1``)."""
+        return self.choices[0].text if self.choices else []
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids if self.choices else []
+
+    @property
+    def has_output(self) -> bool:
+        return any(c.has_output for c in self.choices)
+
+    @property
+    def all_finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def start(self, execution_id: str, detokenizer: Any) -> list[Chunk]:
+        """Take batch rows. ``detokenizer()`` makes a fresh streaming detokenizer.
+        Returns the chunks to write first: a ``reset`` when an earlier run streamed
+        text listeners must now discard."""
         self.status = Status.RUNNING
         self.attempt = self.attempts_before + 1
         self.execution_id = execution_id
@@ -96,71 +164,109 @@ class Job:
         timeout = self.request.timeout
         self.deadline = None if timeout is None else self.started_mono + timeout
         self.seq = first_seq(self.attempt) - 1
-        self.detok = detok
-        self.stops = StopMatcher(self.request.stop)
+        self.choices = [
+            Choice(
+                i,
+                detokenizer(),
+                StopMatcher(self.request.stop),
+                logprobs=[] if self.request.logprobs else None,
+            )
+            for i in range(self.request.n)
+        ]
         if self.attempt == 1:
             return []
         return [self._next(kind="reset")]
 
-    def emit(self, text: str, token_ids: list[int]) -> None:
-        """Output made by one step, kept until the next chunk goes out."""
-        if text:
-            self._out_text.append(text)
-            self.text.append(text)
-        if token_ids:
-            self._out_ids.extend(token_ids)
-            self.token_ids.extend(token_ids)
+    def emit(
+        self,
+        text: str,
+        token_ids: list[int],
+        index: int = 0,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Output one step made for one choice, kept until the next chunk goes out."""
+        self.choices[index].emit(text, token_ids, logprobs or [])
 
-    def chunk_due(self, now: float, interval: float) -> Chunk | None:
-        """The chunk to write now, if any: its first output at once, later output once
-        ``interval`` seconds passed since the last chunk."""
+    def chunks_due(self, now: float, interval: float) -> list[Chunk]:
+        """The chunks to write now: its first output at once, later output once
+        ``interval`` seconds passed since the last chunk (one per choice with output)."""
         if not self.has_output or (self._streamed and now - self.last_chunk_at < interval):
-            return None
+            return []
         self._streamed = True
         self.last_chunk_at = now
         if self.first_token_at is None:
             self.first_token_at = now
-        return self._take()
+        return [self._take(c) for c in self.choices if c.due]
 
-    def finish(self, finish_reason: str, usage: dict[str, int]) -> Chunk:
-        """Its last chunk: what is left of its output, with the reason it ended."""
+    def chunk_due(self, now: float, interval: float) -> Chunk | None:
+        """:meth:`chunks_due` for a job of one choice."""
+        due = self.chunks_due(now, interval)
+        return due[0] if due else None
+
+    def finish(self) -> tuple[list[Chunk], Chunk]:
+        """Every choice ended: the chunks still owed, and the job's last chunk (with the
+        usage) to commit with its end."""
         self.status = Status.ENDING
-        self.finish_reason = finish_reason
-        return self._take(finish_reason=finish_reason, usage=usage)
+        self.finish_reason = self.choices[0].finish_reason or "stop"
+        owed = [c for c in self.choices if c.due] or [self.choices[-1]]
+        before = [self._take(c) for c in owed[:-1]]
+        return before, self._take(owed[-1], usage=self.usage(), done=True)
 
     def fail(self, reason: str) -> Chunk:
         self.status = Status.ENDING
         self.finish_reason = "error"
-        self._out_text.clear()
-        self._out_ids.clear()
-        return self._next(kind="error", finish_reason="error", error=reason)
+        for c in self.choices:
+            c.take()
+        return self._next(kind="error", finish_reason="error", error=reason, done=True)
 
     def cancel(self) -> Chunk:
         self.status = Status.ENDING
         self.finish_reason = "canceled"
-        return self._take(finish_reason="canceled")
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "canceled"
+        return self._take(self.choices[0], finish_reason="canceled", done=True)
 
     def canceled_instead(self, final: Chunk) -> Chunk:
         """The last chunk to write in place of ``final`` should a cancel win the race to
         the job's end (same seq)."""
-        return Chunk(final.seq, final.text, final.token_ids, "canceled", attempt=self.attempt)
+        return Chunk(
+            final.seq,
+            final.text,
+            final.token_ids,
+            "canceled",
+            attempt=self.attempt,
+            index=final.index,
+            logprobs=final.logprobs,
+            done=True,
+        )
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.generated}
 
     def result(self) -> dict[str, Any]:
         """The rq return value. Built from the very text streamed, so the two are equal."""
-        return {
-            "text": "".join(self.text),
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
+        first = self.choices[0].result()
+        out = {
+            "text": first["text"],
+            "token_ids": first["token_ids"],
+            "finish_reason": first["finish_reason"],
             "usage": self.usage(),
         }
+        if "logprobs" in first:
+            out["logprobs"] = first["logprobs"]
+        if len(self.choices) > 1:
+            out["choices"] = [c.result() for c in self.choices]
+        return out
 
-    def _take(self, **kw: Any) -> Chunk:
-        text, ids = "".join(self._out_text), self._out_ids
-        self._out_text, self._out_ids = [], []
-        return self._next(text=text, token_ids=ids, **kw)
+    def _take(self, choice: Choice, **kw: Any) -> Chunk:
+        text, ids, lps = choice.take()
+        kw.setdefault("finish_reason", choice.finish_reason)
+        if kw["finish_reason"] is not None:
+            choice.closed = True
+        if len(self.choices) > 1:
+            kw.setdefault("done", False)
+        return self._next(text=text, token_ids=ids, index=choice.index, logprobs=lps, **kw)
 
     def _next(self, **kw: Any) -> Chunk:
         # The one place a chunk of this job gets its seq.

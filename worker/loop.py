@@ -228,7 +228,7 @@ class Worker:
                 )
                 continue
             exec_id = uuid.uuid4().hex
-            resets += [(job.id, c, True) for c in job.start(exec_id, self.engine.new_detokenizer())]
+            resets += [(job.id, c, True) for c in job.start(exec_id, self.engine.new_detokenizer)]
             starts.append((job.id, job.attempts_before, exec_id))
             rows.append(job)
         self.sink.starts(starts)
@@ -285,14 +285,22 @@ class Worker:
         self.fresh.clear()
         now = time.monotonic()
         chunks: list[tuple[str, Chunk, bool]] = []
+        ends: list[tuple[Job, Chunk]] = []
         for job in touched:
             if job.status is not Status.RUNNING:
                 continue
-            if job.finish_reason is not None:
-                self._end(job, "finished", job.finish(job.finish_reason, job.usage()))
-            elif (c := job.chunk_due(now, self.interval)) is not None:
-                chunks.append((job.id, c, self._refresh_ttl(job, now)))
+            if job.all_finished:
+                owed, final = job.finish()
+                chunks += [(job.id, c, False) for c in owed]
+                ends.append((job, final))
+            else:
+                due = job.chunks_due(now, self.interval)
+                if due:
+                    expire = self._refresh_ttl(job, now)
+                    chunks += [(job.id, c, expire) for c in due]
         self.sink.chunks(chunks)
+        for job, final in ends:  # after their chunks, so each job's end comes last
+            self._end(job, "finished", final)
 
     def _refresh_ttl(self, job: Job, now: float) -> bool:
         # A log's TTL is refreshed with its first chunk and then whenever a quarter of it
