@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -392,12 +393,17 @@ def test_a_worker_killed_mid_sweep(tmp_path, redis_server, queue_name, start_wor
     n = 160
     inp = _long_file(tmp_path, queue_name, n, 64)
     out = tmp_path / "out.jsonl"
-    run = RunBatch(tmp_path, redis_server.url, inp, out, "--max-in-flight", "32")
+    run = RunBatch(
+        tmp_path, redis_server.url, inp, out, "--max-in-flight", "32", "--progress-every", "0.2"
+    )
     wait_until("16 output lines", lambda: lines_in(out) >= 16)
     a.signal(signal.SIGKILL)
     a.proc.wait(10)
     start_worker(max_batch=8)  # same host: it sees the dead pid and requeues its jobs
     assert run.wait() == 0, run.stderr()
+    progress = re.findall(r"mlxq run-batch: (\d+)/160 done", run.stderr())
+    assert progress and int(progress[-1]) <= n, "plain progress lines when not a terminal"
+    assert re.search(r"160 requests answered \(160 ok, 0 failed\).*\n.* tok/s", run.stderr())
     got = assert_once_each(out, {f"r{i}" for i in range(n)})
     attempts = [int(r.hget(f"rq:job:{x['response']['request_id']}", "mlxq_attempt")) for x in got]
     assert max(attempts) == 2, "the dead worker's jobs ran again"
