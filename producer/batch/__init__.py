@@ -5,7 +5,9 @@
 - :mod:`~mlxq.producer.batch.records`: output lines in OpenAI's Batch shape;
 - :mod:`~mlxq.producer.batch.files`: the output/errors files and the journal that makes a
   rerun resume;
-- :mod:`~mlxq.producer.batch.runner`: the sweep loop (window, submit, poll, collect);
+- :mod:`~mlxq.producer.batch.runner`: the sweep loop (window, submit, poll, collect), with
+  :mod:`~mlxq.producer.batch.jobs` (its jobs and their bulk reads) and
+  :mod:`~mlxq.producer.batch.stop` (signals, retries through an outage);
 - :mod:`~mlxq.producer.batch.run`: one run, start to summary; ``cli``: its arguments.
 """
 

@@ -17,7 +17,8 @@ from mlxq.producer.batch.config import DEFAULT_MAX_IN_FLIGHT, BatchConfig
 from mlxq.producer.batch.files import Journal, LineFile
 from mlxq.producer.batch.lines import LineChecker, count_lines, read_lines
 from mlxq.producer.batch.progress import PREFIX, Progress, Tally, summary
-from mlxq.producer.batch.runner import StopFlag, Sweep
+from mlxq.producer.batch.runner import Sweep
+from mlxq.producer.batch.stop import StopFlag
 from mlxq.producer.connection import connect
 
 #: The exit status of a run stopped by a signal (as a shell reports SIGINT).

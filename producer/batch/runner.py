@@ -19,31 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from types import FrameType
 from typing import Any, TypeVar
 
 import redis
 
-from mlxq.producer import keys
-from mlxq.producer.batch import records
+from mlxq.producer.batch import jobs, records
 from mlxq.producer.batch.config import BatchConfig
 from mlxq.producer.batch.files import Journal, LineFile
+from mlxq.producer.batch.jobs import LIVE, Flight
 from mlxq.producer.batch.lines import LineChecker, LineError, Request
 from mlxq.producer.batch.progress import Tally
-from mlxq.producer.client import (
-    Client,
-    Result,
-    cancel_job,
-    latest_fields,
-    reason_of,
-    value_of,
-)
+from mlxq.producer.batch.stop import Interrupted, StopFlag, retry
+from mlxq.producer.client import Client, Result, cancel_job, reason_of, value_of
 from mlxq.producer.connection import TRANSIENT, Outage, backoff
 from mlxq.producer.errors import MlxqError
 from mlxq.producer.openai_api import completion_body
@@ -61,67 +51,6 @@ SYNC_S = 1.0
 MAX_TRIES = 3
 #: Error lines buffered at most before they are written, while reading past bad lines.
 ERROR_FLUSH = 1024
-_ENDED = {b"finished": "finished", b"failed": "failed", b"canceled": "canceled"}
-_ENDED[b"stopped"] = "canceled"
-
-
-class _Interrupted(Exception):
-    """A stop was asked for while a Redis call was being retried."""
-
-
-class StopFlag:
-    """SIGINT / SIGTERM set a flag the loop checks between steps; a second one aborts."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
-
-    def wait(self, seconds: float) -> bool:
-        return self.event.wait(seconds)
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._on)
-
-    def restore(self) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
-        self._old.clear()
-
-    def _on(self, signum: int, frame: FrameType | None) -> None:
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.event.set()
-
-
-@dataclass(slots=True)
-class Flight:
-    """One job in Redis for one input line.
-
-    Attributes:
-        request: The line.
-        job_id: Its job.
-        inherited: Submitted by an earlier run (re-attached from the journal).
-        tries: Jobs submitted for the line so far by this run and earlier ones.
-    """
-
-    request: Request
-    job_id: str
-    inherited: bool = False
-    tries: int = 1
-
-
-def _ended(raw: Any) -> str | None:
-    """``finished`` / ``failed`` / ``canceled``, ``live``, or None (no such job)."""
-    if raw is None:
-        return None
-    return _ENDED.get(raw if isinstance(raw, bytes) else str(raw).encode(), "live")
 
 
 class Sweep:
@@ -182,7 +111,7 @@ class Sweep:
                 self._collect()
                 self._maybe_sync()
                 self.on_progress()
-        except _Interrupted:
+        except Interrupted:
             pass
         finally:
             self.stop.restore()
@@ -251,7 +180,7 @@ class Sweep:
     def _attach(self, pairs: Sequence[tuple[Request, str]]) -> list[Request]:
         """Take over jobs an earlier run submitted; returns the lines to submit anew
         (never submitted, canceled by that run, or gone)."""
-        states = self._retry(lambda: self._states([j for _, j in pairs]))
+        states = self._states([j for _, j in pairs])
         again = []
         for (req, job_id), state in zip(pairs, states, strict=True):
             if state is None or state == "canceled":
@@ -283,9 +212,8 @@ class Sweep:
                 self.outage.failed(e)
                 failures += 1
                 if self.stop.wait(backoff().compute(failures)):
-                    raise _Interrupted from None
-                ids = [f.job_id for f in pending]
-                there = self._retry(lambda: self._states(ids))  # noqa: B023 (called at once)
+                    raise Interrupted from None
+                there = self._states([f.job_id for f in pending])
                 pending = [f for f, s in zip(pending, there, strict=True) if s is None]
             except ValueError as e:  # a check of submit's that parse_request does not make
                 if len(pending) > 1:
@@ -307,17 +235,9 @@ class Sweep:
         client = self.clients.get(queue)
         if client is None:
             client = self.clients[queue] = Client(connection=self.redis, queue=queue)
-            if not self._retry(lambda: self._served(queue)):
+            if not self._retry(lambda: jobs.served(self.redis, queue)):
                 log.warning("no live worker serves queue %r: its jobs wait until one does", queue)
         return client
-
-    def _served(self, queue: str) -> bool:
-        raw: Any = self.redis.smembers(keys.workers_key(queue))
-        names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
-        with self.redis.pipeline(transaction=False) as p:
-            for name in names:
-                p.exists(keys.alive_key(name))
-            return any(p.execute())
 
     # -- collecting results ------------------------------------------------------------
 
@@ -325,15 +245,15 @@ class Sweep:
         """Write the output lines of the jobs that ended. ``settle``: after a stop, only
         those that finished or failed (the rest are the next run's)."""
         ids = list(self.flights)
-        states = self._retry(lambda: self._states(ids))
-        ended = [(j, s) for j, s in zip(ids, states, strict=True) if s != "live"]
+        states = self._states(ids)
+        ended = [(j, s) for j, s in zip(ids, states, strict=True) if s != LIVE]
         self._pace(len(ended))
         if settle:
             ended = [(j, s) for j, s in ended if s in ("finished", "failed")]
         if not ended:
             return
         need = [j for j, s in ended if s in ("finished", "failed")]
-        fields = dict(zip(need, self._retry(lambda: self._results(need)), strict=True))
+        fields = dict(zip(need, self._retry(lambda: jobs.results(self.redis, need)), strict=True))
         out, again, now = [], [], int(time.time())
         for job_id, state in ended:
             f = self.flights.pop(job_id)
@@ -400,32 +320,7 @@ class Sweep:
     # -- Redis -------------------------------------------------------------------------
 
     def _states(self, ids: Sequence[str]) -> list[str | None]:
-        if not ids:
-            return []
-        with self.redis.pipeline(transaction=False) as p:
-            for job_id in ids:
-                p.hget(keys.job_key(job_id), "status")
-            return [_ended(raw) for raw in p.execute()]
-
-    def _results(self, ids: Sequence[str]) -> list[dict[bytes, bytes] | None]:
-        if not ids:
-            return []
-        with self.redis.pipeline(transaction=False) as p:
-            for job_id in ids:
-                p.xrevrange(keys.results_key(job_id), count=1)
-            return [latest_fields(entries) for entries in p.execute()]
+        return self._retry(lambda: jobs.states(self.redis, ids))
 
     def _retry(self, do: Callable[[], T]) -> T:
-        """``do()`` until Redis answers; a stop while it is away raises _Interrupted."""
-        failures = 0
-        while True:
-            try:
-                result = do()
-            except TRANSIENT as e:
-                self.outage.failed(e)
-                failures += 1
-                if self.stop.wait(backoff().compute(failures)):
-                    raise _Interrupted from None
-                continue
-            self.outage.ok()
-            return result
+        return retry(do, self.outage, self.stop)
