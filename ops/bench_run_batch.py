@@ -178,6 +178,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-run-batch-"))
     procs: list[subprocess.Popen[bytes]] = []
+    client: Client | None = None
     try:
         url = args.redis_url
         if url is None:
@@ -210,6 +211,8 @@ def main() -> None:
             runs += pair
         report(args, runs)
     finally:
+        if client is not None:
+            client.close()  # before its Redis goes
         for p in reversed(procs):
             p.terminate()
             try:
