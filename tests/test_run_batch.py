@@ -335,11 +335,11 @@ def test_a_mixed_file(tmp_path, redis_server, queue_name, start_worker):
     assert [e["custom_id"] for e in errors if e["error"]["line"] == 8] == ["chat-0"]
 
     # The same mapping as the gateway's: the same job through the client gives the same text.
-    direct = Client(redis_server.url, queue=q).submit(
-        **parse_request(lines[0]["body"], CHAT).submit
-    )
+    client = Client(redis_server.url, queue=q)
+    direct = client.submit(**parse_request(lines[0]["body"], CHAT).submit)
     text = by_id["chat-0"]["response"]["body"]["choices"][0]["message"]["content"]
     assert direct.result(timeout=60).text == text
+    client.close()
     assert not (tmp_path / "out.jsonl.journal").exists(), "a complete sweep leaves no journal"
 
     again = RunBatch(tmp_path, redis_server.url, inp, out, "--errors", str(err))
