@@ -1,4 +1,4 @@
-"""The ``mlxq`` command: model, worker, submit, info, serve."""
+"""The ``mlxq`` command: model, worker, submit, run-batch, info, serve."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from mlxq.producer.batch import cli as batch_cli
 from mlxq.producer.client import DEFAULT_REDIS_URL, Client
 from mlxq.producer.errors import JobFailed, MlxqError
 from mlxq.producer.gateway import cli as gateway_cli
@@ -49,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=None)
     _redis_url_arg(s)
     s.add_argument("--queue", default="default")
+
+    batch_cli.add_arguments(
+        sub.add_parser("run-batch", help=batch_cli.HELP, description=batch_cli.DESCRIPTION)
+    )
 
     i = sub.add_parser("info", help="queues and workers")
     i.add_argument("--json", action="store_true")
@@ -114,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": _cmd_model,
         "worker": _cmd_worker,
         "submit": _cmd_submit,
+        "run-batch": batch_cli.run,
         "info": _cmd_info,
         "serve": gateway_cli.run,
     }[args.command]

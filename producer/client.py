@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -296,6 +297,24 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
         raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}] (seconds for TTLs)")
 
 
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def _check_ids(job_ids: Sequence[str] | None, n: int) -> list[str | None]:
+    if job_ids is None:
+        return [None] * n
+    if isinstance(job_ids, str) or len(job_ids) != n:
+        raise ValueError(f"job_ids: give one id per job ({n})")
+    for i, job_id in enumerate(job_ids):
+        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+            raise ValueError(
+                f"job_ids[{i}]={job_id!r}: must be 1 to 128 letters, digits, '_' or '-'"
+            )
+    if len(set(job_ids)) != n:
+        raise ValueError("job_ids: must be distinct")
+    return list(job_ids)
+
+
 def _status(raw: Any) -> str | None:
     if raw is None:
         return None
@@ -529,14 +548,24 @@ class Client:
             ]
         )[0]
 
-    def submit_many(self, jobs: Sequence[Mapping[str, Any]]) -> list[Job]:
+    def submit_many(
+        self, jobs: Sequence[Mapping[str, Any]], *, job_ids: Sequence[str] | None = None
+    ) -> list[Job]:
         """Queue many jobs in one pipelined round trip; each map holds
         :meth:`submit`'s keyword arguments. All are checked before any is sent.
+
+        Args:
+            jobs: One map of :meth:`submit` arguments per job.
+            job_ids: The jobs' ids, chosen by the caller (letters, digits, ``_`` and
+                ``-``), so it can record them before submitting (``mlxq run-batch`` does,
+                to re-attach after a crash instead of submitting again). Each must be
+                new: a job with the same id would be overwritten. None: fresh uuids.
 
         Raises:
             ValueError: naming the job's index, the field and the value.
             QueueFull: the queue would exceed ``max_queued``.
         """
+        ids = _check_ids(job_ids, len(jobs))
         reqs = []
         for i, kw in enumerate(jobs):
             try:
@@ -553,8 +582,9 @@ class Client:
                 timeout=-1,  # no SIGALRM inside a batch; mlxq enforces its own deadlines
                 result_ttl=self.result_ttl,
                 failure_ttl=self.failure_ttl,
+                job_id=job_id,
             )
-            for r in reqs
+            for r, job_id in zip(reqs, ids, strict=True)
         ]
         if self.max_queued is not None:
             return self._enqueue_capped(datas, self.max_queued)

@@ -2,9 +2,10 @@
 
 Where OpenAI documents a default, it is used (``temperature`` 1, ``max_tokens`` 16 for
 completions); chat's ``max_tokens`` defaults to mlxq's 256. ``max_completion_tokens`` wins
-over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM; ``user`` is kept in the job's
-metadata. Fields that need worker support this mlxq version lacks (see
-:func:`submit_supports`) are refused by name when set to anything but their neutral value.
+over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids`` and
+``min_tokens`` are taken too; ``user`` is kept in the job's metadata. Fields that need
+worker support this mlxq version lacks (see :func:`submit_supports`) are refused by name
+when set to anything but their neutral value.
 Unknown fields are ignored, with one warning per field name per process.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from mlxq.producer.client import Client, build_request
 from mlxq.producer.errors import InvalidRequest, PayloadError
+from mlxq.producer.params import MAX_TOKENS_CAP
 
 log = logging.getLogger("mlxq.openai")
 
@@ -34,11 +36,14 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_MODEL_CHARS = 128
+#: Most ids in ``stop_token_ids``.
+MAX_STOP_TOKEN_IDS = 64
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logit_bias")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _OTHER = ("model", "max_tokens", "max_completion_tokens", "n", "logprobs", "user", "metadata")
-_COMMON = frozenset((*_SAMPLING, *_PENALTIES, *_OTHER, "stream", "stream_options"))
+_VLLM = ("stop_token_ids", "min_tokens")
+_COMMON = frozenset((*_SAMPLING, *_PENALTIES, *_OTHER, *_VLLM, "stream", "stream_options"))
 _KNOWN = {CHAT: _COMMON | {"messages", "top_logprobs"}, COMPLETIONS: _COMMON | {"prompt"}}
 _warned: set[str] = set()
 # "name=value: why", as mlxq's payload checks word their errors.
@@ -181,6 +186,17 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     return out
 
 
+def _stop_token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
+        raise _bad("stop_token_ids", value, f"must be a list of at most {MAX_STOP_TOKEN_IDS} ids")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise _bad(f"stop_token_ids[{i}]", t, "must be a token id (an integer >= 0)")
+    return list(value)
+
+
 def _logprobs(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     """Chat's ``logprobs`` (bool) + ``top_logprobs``, or completions' integer ``logprobs``."""
     if chat:
@@ -214,6 +230,10 @@ def _extras(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
         extra["repetition_penalty"] = rep
     if (bias := _logit_bias(body.get("logit_bias"))) is not None:
         extra["logit_bias"] = bias
+    if min_tokens := _int(body, "min_tokens", 0, MAX_TOKENS_CAP):
+        extra["min_tokens"] = min_tokens
+    if stop_ids := _stop_token_ids(body.get("stop_token_ids")):
+        extra["stop_token_ids"] = stop_ids
     for name, v in extra.items():
         if not submit_supports(name):
             why = "not supported by this mlxq version (needs worker support)"

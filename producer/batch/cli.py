@@ -1,0 +1,107 @@
+"""``mlxq run-batch``: its arguments and defaults (owned here), and the command itself."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from mlxq.producer import keys
+from mlxq.producer.batch.config import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_PROGRESS_EVERY_S,
+    PROGRESS_MODES,
+    BatchConfig,
+)
+from mlxq.producer.batch.progress import PREFIX
+from mlxq.producer.batch.run import run_batch
+
+HELP = "run an OpenAI Batch file (JSON lines) through mlxq queues; resumable"
+DESCRIPTION = """\
+Run every line of an OpenAI Batch input file ({"custom_id", "method": "POST", "url":
+"/v1/chat/completions" | "/v1/completions", "body"}) as an mlxq job on the queue named by
+body.model (or --queue), and write one output line per custom_id in OpenAI's Batch output
+shape, in the order results come. Lines that cannot run go to --errors with their line
+number; the rest still run. Rerun the same command to resume: custom_ids already answered
+are skipped, jobs submitted before a crash or Ctrl-C are collected, not submitted again.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--input", "-i", required=True, type=Path, help="the batch file (JSONL)")
+    p.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        type=Path,
+        help="output file (JSONL); an existing one is resumed, its custom_ids skipped",
+    )
+    p.add_argument(
+        "--errors",
+        type=Path,
+        default=None,
+        help="file for lines that cannot run (default: the output file)",
+    )
+    p.add_argument(
+        "--queue", default=None, help="run every line on this queue (default: body.model)"
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("MLXQ_REDIS_URL", keys.DEFAULT_REDIS_URL),
+        help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s)",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help="most jobs of this run in Redis at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="on Ctrl-C leave the jobs in flight running, for a rerun to collect "
+        "(default: cancel them)",
+    )
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default="auto",
+        help="a bar on a terminal, plain lines otherwise (default: %(default)s)",
+    )
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=DEFAULT_PROGRESS_EVERY_S,
+        metavar="S",
+        help="seconds between plain progress lines (default: %(default)s)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``mlxq run-batch``; 0 when complete, 130 when stopped (rerun to resume).
+
+    Raises:
+        ValueError: a bad argument (naming it).
+        BatchLocked: another run writes the same output.
+    """
+    cfg = BatchConfig(
+        input=args.input,
+        output=args.output,
+        errors=args.errors,
+        queue=args.queue,
+        redis_url=args.redis_url,
+        max_in_flight=args.max_in_flight,
+        detach=args.detach,
+        progress=args.progress,
+        progress_every_s=args.progress_every,
+    )
+    logger = logging.getLogger("mlxq")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{PREFIX}: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+    return run_batch(cfg)
