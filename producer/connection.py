@@ -96,7 +96,8 @@ def problem(url: str, error: Exception) -> str:
     where = redact(url)
     if isinstance(error, redis.AuthenticationError):
         return (
-            f"Redis at {where} refused the credentials ({error}): check the URL's user and password"
+            f"Redis at {where} refused the credentials ({type(error).__name__}: {error}): "
+            "check the URL's user and password"
         )
     if isinstance(error, TRANSIENT):
         return (
