@@ -20,8 +20,9 @@ from mlxq.producer.codec import Chunk
 
 #: The line that marks a restart in non-terminal output (with the job id and attempt).
 RESTART_MARK = "--- mlxq: job {job_id} restarted (attempt {attempt}); the text above is void ---"
-# Control characters other than newline and tab would move the cursor (or be terminal
-# escapes a model made up); on a terminal they are shown as U+FFFD instead.
+# Control characters other than newline would move the cursor (or be terminal escapes a
+# model made up): on a terminal they show as U+FFFD, and tabs as spaces, so the printer
+# knows how many rows its text takes.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _ERASE_BELOW = "\x1b[J"
 _CLEAR_ALL = "\x1b[H\x1b[2J\x1b[3J"  # home, clear screen, clear scrollback
@@ -30,7 +31,23 @@ _CLEAR_ALL = "\x1b[H\x1b[2J\x1b[3J"  # home, clear screen, clear scrollback
 def screen_rows(text: str, width: int) -> int:
     """Rows ``text`` takes on a terminal ``width`` cells wide, from column 0."""
     width = max(1, width)
-    return sum(max(1, math.ceil(cell_len(line.expandtabs(8)) / width)) for line in text.split("\n"))
+    return sum(max(1, math.ceil(cell_len(line) / width)) for line in text.split("\n"))
+
+
+def for_terminal(text: str, column: int) -> str:
+    """``text`` made safe to show from ``column`` of a logical line: controls replaced,
+    tabs expanded to the next multiple of 8."""
+    text = _CONTROL.sub("\ufffd", text)
+    if "\t" not in text:
+        return text
+    out = []
+    for i, piece in enumerate(text.split("\t")):
+        if i:
+            out.append(" " * (8 - column % 8))
+            column += 8 - column % 8
+        out.append(piece)
+        column = cell_len(piece.rpartition("\n")[2]) if "\n" in piece else column + cell_len(piece)
+    return "".join(out)
 
 
 class StreamPrinter:
@@ -50,7 +67,9 @@ class StreamPrinter:
         if chunk.kind == "reset":
             self.reset(chunk.attempt)
         elif chunk.text:
-            text = _CONTROL.sub("\ufffd", chunk.text) if self.tty else chunk.text
+            text = chunk.text
+            if self.tty:
+                text = for_terminal(text, cell_len(self.shown.rpartition("\n")[2]))
             self.out.write(text)
             self.shown += text
         if chunk.final:

@@ -515,7 +515,8 @@ class Worker:
             self._check_deadlines()
             if self.engine.active:
                 self._step()
-        self._release(self._running(), "clean", "grace period over")
+        why = "second stop signal" if self._hard.is_set() else "grace period over"
+        self._release(self._running(), "clean", why)
         settle = time.monotonic() + SETTLE_S
         while self.jobs and time.monotonic() < settle:
             self._handle_inbox()
