@@ -20,6 +20,7 @@ from rich.table import Table
 from mlxq.producer import listing
 from mlxq.producer.client import Client, Job, cancel_job
 from mlxq.producer.errors import JobTimeout, NoSuchJob
+from mlxq.producer.info import duration
 from mlxq.producer.terminal import StreamPrinter
 
 Parents = list[argparse.ArgumentParser]
@@ -234,7 +235,9 @@ def _when(ts: float | None, now: float) -> str:
 
 
 def _secs(s: float | None) -> str:
-    return "-" if s is None else f"{s:.3f} s" if s < 60 else f"{s / 60:.1f} min"
+    if s is None:
+        return "-"
+    return f"{s:.3f} s" if s < 60 else duration(s)
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -112,7 +112,8 @@ def collect(connection: redis.Redis, warn: Callable[[str], None] = log.warning) 
     return {"queues": queues, "workers": workers}
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h10m``, ``4d03h``."""
     s = int(max(0.0, seconds))
     if s < 60:
         return f"{s}s"
@@ -134,7 +135,7 @@ def _worker_row(w: dict[str, Any], now: float) -> list[str]:
     vec = f"{100 * int(w.get('vectorized_steps', 0)) / steps:.0f}%" if steps else "-"
     batch = f"{w['running']}/{w['max_batch']}" if "running" in w and "max_batch" in w else "-"
     rate = f"{float(w['tok_s_1m']):.1f}" if "tok_s_1m" in w else "-"
-    up = _duration(now - float(w["started_at"])) if w.get("started_at") else "-"
+    up = duration(now - float(w["started_at"])) if w.get("started_at") else "-"
     return [
         str(w["name"]),
         str(w["queue"]),
