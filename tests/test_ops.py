@@ -42,9 +42,13 @@ class Shared:
     url: str
     metrics_url: str
     info_before_any_submit: dict[str, Any]
+    _client: Client | None = None
 
     def client(self) -> Client:
-        return Client(self.url, queue=self.queue)
+        """One client for the module's tests (each client holds a pub/sub connection)."""
+        if self._client is None:
+            self._client = Client(self.url, queue=self.queue)
+        return self._client
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,7 @@ def shared(redis_server, tiny_model, tmp_path_factory) -> Iterator[Shared]:
         wait_for(lambda: r.exists(f"mlxq:alive:{name}"), "the worker's lease")
         info = mlxq("info", "--json", url=redis_server.url)
         assert info.returncode == 0, info.stderr
-        yield Shared(
+        shared = Shared(
             w,
             queue,
             name,
@@ -71,6 +75,8 @@ def shared(redis_server, tiny_model, tmp_path_factory) -> Iterator[Shared]:
             f"http://127.0.0.1:{port}/metrics",
             json.loads(info.stdout),
         )
+        yield shared
+        shared.client().close()
     finally:
         assert w.stop() == 0, w.output()
 

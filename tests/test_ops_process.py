@@ -72,6 +72,7 @@ def test_a_restart_mid_stream_leaves_only_the_result(redis_server, queue_name, s
     text_rows = shown[: shown.index(summary[0])]
     assert text_rows == rows_of(for_terminal(res.text, 0), 200)
     assert b"\x1b[J" in term.reader.data, "the void text was erased, not scrolled away"
+    client.close()
 
 
 def test_a_second_stop_signal_requeues_at_once(redis_server, queue_name, start_worker):
@@ -93,6 +94,7 @@ def test_a_second_stop_signal_requeues_at_once(redis_server, queue_name, start_w
         assert requeued[j.id]["queue"] == queue_name and "tokens" in requeued[j.id]
     for j in jobs:
         j.cancel()
+    client.close()
 
 
 def test_an_outage_is_logged_once_at_start_and_once_at_end(
@@ -107,6 +109,7 @@ def test_an_outage_is_logged_once_at_start_and_once_at_end(
         own.start()
         client = Client(own.url, queue=queue_name)
         assert client.submit("after the outage", max_tokens=3).result(timeout=60).token_ids
+        client.close()
         wait_for(lambda: "redis back" in w.output(), "the end of the outage")
         log = w.output()
         down = re.findall(r"WARNING \S+: (.+?): redis unavailable", log)
@@ -140,8 +143,8 @@ def _serves(url: str, queue: str, proc: subprocess.Popen[bytes], log: Path) -> N
         return any(queue in w.queue_names() for w in Worker.all(connection=conn))
 
     wait_for(ready, "the unit's worker")
-    res = Client(url, queue=queue).submit("from a unit", max_tokens=3).result(timeout=60)
-    assert res.token_ids
+    with Client(url, queue=queue) as client:
+        assert client.submit("from a unit", max_tokens=3).result(timeout=60).token_ids
     cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
     assert url not in cmdline and "--redis-url" not in cmdline, cmdline
 
