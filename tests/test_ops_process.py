@@ -42,7 +42,7 @@ def test_a_restart_mid_stream_leaves_only_the_result(redis_server, queue_name, s
     """A worker killed mid-job: ``submit --stream`` into a pipe marks the restart, and
     ``mlxq stream`` on a terminal erases the void text, so what stays is the result."""
     # Both listeners start before any worker does, so both show the first run's text.
-    argv = [*MLXQ, "submit", "A long tale", "--stream", "--max-tokens", "1500"]
+    argv = [*MLXQ, "submit", "A long tale", "--stream", "--max-tokens", "1000"]
     argv += ["--temperature", "1", "--seed", "0", "--queue", queue_name]
     env = env_for(redis_server.url)
     piped = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
