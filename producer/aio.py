@@ -47,6 +47,9 @@ class AsyncJob:
     async def failure_reason(self) -> str:
         return await asyncio.to_thread(self._job.failure_reason)
 
+    async def metadata(self) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._job.metadata)
+
     async def cancel(self) -> bool:
         return await asyncio.to_thread(self._job.cancel)
 
@@ -124,3 +127,9 @@ class AsyncClient:
         await self.subscriber.aclose()
         await self.aredis.aclose()
         self._sync.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()

@@ -11,7 +11,7 @@ import re
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -20,9 +20,9 @@ from rq import Queue
 from rq.utils import utcformat
 
 from mlxq.producer import keys, scripts
-from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer
+from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer, decode_job_data
 from mlxq.producer.connection import TRANSIENT, backoff, connect
-from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob
+from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
 from mlxq.producer.mux import RESYNC, Subscriber
 from mlxq.producer.params import (
     MAX_TOKENS_CAP,
@@ -97,7 +97,13 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     usage: dict[str, int]
-    choices: list[Choice]
+    choices: list[Choice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            object.__setattr__(
+                self, "choices", [Choice(0, self.text, self.token_ids, self.finish_reason)]
+            )
 
     @property
     def logprobs(self) -> list[dict[str, Any]] | None:
@@ -125,7 +131,7 @@ class Result:
 def build_request(
     prompt: str | None = None,
     *,
-    messages: Sequence[Mapping[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -197,6 +203,24 @@ class Job:
         if st is None:
             raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
         return st
+
+    def metadata(self) -> dict[str, Any] | None:
+        """The ``metadata`` map the job was submitted with; None if it had none.
+
+        Read from the job's stored payload with a size limit (never unpickled).
+
+        Raises:
+            NoSuchJob: the job never existed or its records expired.
+            PayloadError: the stored job is not an mlxq job (written by something else).
+        """
+        raw = self._redis.hget(keys.job_key(self.id), "data")
+        if not isinstance(raw, bytes):
+            raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
+        payload = decode_job_data(raw)
+        meta = payload.get("metadata") if isinstance(payload, Mapping) else None
+        if meta is not None and not isinstance(meta, Mapping):
+            raise PayloadError(f"metadata={meta!r}: stored metadata is not a map")
+        return None if meta is None else dict(meta)
 
     def failure_reason(self) -> str:
         """Why a failed job failed (the worker's one-line reason), or ``"canceled"``."""
@@ -457,7 +481,7 @@ class Client:
         self,
         prompt: str | None = None,
         *,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         max_tokens: int = 256,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -483,7 +507,8 @@ class Client:
         Args:
             prompt: Raw text, tokenized as is. Give exactly one of prompt / messages.
             messages: Chat turns ``[{"role": ..., "content": ...}]``, rendered with
-                the model's chat template.
+                the model's chat template; a turn may carry a ``"name"``, and its content
+                may be a list of text parts ``[{"type": "text", "text": ...}]`` (joined).
             max_tokens: Most tokens to generate, 1 to ``max_tokens_cap``.
             temperature: 0 is greedy (argmax); as in mlx-lm's ``make_sampler``.
             top_p: Nucleus mass in (0, 1]; 1 disables it.
@@ -637,3 +662,9 @@ class Client:
         if self._subscriber is not None:
             self._subscriber.close()
         self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -75,6 +76,35 @@ def connect_async(url: str, *, retries: int = 2) -> aioredis.Redis:
     client = aioredis.Redis(connection_pool=pool, retry=retry)
     client.auto_close_connection_pool = True
     return client
+
+
+def redact(url: str) -> str:
+    """``url`` with its password shown as ``***``: for messages and logs."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "<unparsable URL>"
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def problem(url: str, error: Exception) -> str:
+    """The one line that says what went wrong talking to the Redis at ``url``, and what to
+    do about it (the password never shown)."""
+    where = redact(url)
+    if isinstance(error, redis.AuthenticationError):
+        return (
+            f"Redis at {where} refused the credentials ({type(error).__name__}: {error}): "
+            "check the URL's user and password"
+        )
+    if isinstance(error, TRANSIENT):
+        return (
+            f"cannot reach Redis at {where} ({error}): start redis-server there, or point "
+            "--redis-url (or $MLXQ_REDIS_URL) at a running one"
+        )
+    return f"Redis at {where} answered with an error: {error}"
 
 
 class Outage:

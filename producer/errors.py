@@ -7,6 +7,11 @@ class MlxqError(Exception):
     """Base class of mlxq's own errors."""
 
 
+class SetupError(MlxqError):
+    """A command cannot start: Redis cannot be reached, a model cannot be loaded. The
+    message says what failed, where, and what to do."""
+
+
 class PayloadError(MlxqError, ValueError):
     """A job payload is malformed: wrong type, bad value, undecodable bytes.
 

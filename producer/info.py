@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import redis
+from rich.console import Group, RenderableType
+from rich.table import Table
 from rq import Queue, Worker
 
 from mlxq.producer import keys
 from mlxq.producer.codec import MsgpackSerializer
+
+log = logging.getLogger("mlxq.producer")
 
 _COUNTERS = ("decode_steps", "vectorized_steps", "sampler_calls", "tokens_generated")
 
@@ -23,13 +31,63 @@ def queue_counts(q: Queue) -> dict[str, int]:
     }
 
 
-def collect(connection: redis.Redis) -> dict[str, Any]:
+def decode_stats(raw: Any) -> dict[str, Any]:
+    """A worker's stats map as stored in its ``mlxq:worker:<name>`` hash.
+
+    Raises:
+        ValueError: it is not a map, or a counter is not a number.
+    """
+    try:
+        stats = MsgpackSerializer.loads(raw)
+    except Exception as e:
+        raise ValueError(f"undecodable ({type(e).__name__})") from None
+    if not isinstance(stats, Mapping):
+        raise ValueError(f"not a map but {type(stats).__name__}")
+    for k in (*_COUNTERS, "running", "started_at", "tok_s_1m"):
+        v = stats.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{k}={v!r} is not a number")
+    return dict(stats)
+
+
+def _read_stats(
+    connection: redis.Redis, names: list[str], warn: Callable[[str], None]
+) -> list[tuple[dict[str, Any], bool]]:
+    """Each worker's stats (empty when missing or unreadable) and whether its lease is held."""
+    with connection.pipeline(transaction=False) as p:
+        for name in names:
+            p.hget(keys.worker_stats_key(name), "stats")
+            p.exists(keys.alive_key(name))
+        replies = p.execute(raise_on_error=False)
+    out = []
+    for i, name in enumerate(names):
+        raw, alive = replies[2 * i], replies[2 * i + 1]
+        stats: dict[str, Any] = {}
+        try:
+            if isinstance(raw, Exception):
+                raise ValueError(str(raw))
+            if raw is not None:
+                stats = decode_stats(raw)
+        except ValueError as e:
+            warn(f"skipped the stats of worker {name} ({keys.worker_stats_key(name)}): {e}")
+        out.append((stats, not isinstance(alive, Exception) and bool(alive)))
+    return out
+
+
+def collect(connection: redis.Redis, warn: Callable[[str], None] = log.warning) -> dict[str, Any]:
     """The ``mlxq info --json`` document.
+
+    Args:
+        connection: Redis holding the queues.
+        warn: Told of each worker whose stats cannot be read (that worker is listed
+            without them).
 
     Returns:
         ``{"queues": {name: {"queued", "started", "finished", "failed", "canceled"}},
-        "workers": [{"name", "state", "queue", "model", "decode_steps",
-        "vectorized_steps", "tokens_generated", "sampler_calls", ...}]}``.
+        "workers": [{"name", "state", "queue", "model", "alive", "decode_steps",
+        "vectorized_steps", "tokens_generated", "sampler_calls", ...}]}``; ``alive``: the
+        worker's lease is held; the rest of each worker's stats map follows (``running``,
+        ``max_batch``, ``started_at``, ``tok_s_1m``, ...).
     """
     queues = {
         q.name: queue_counts(q)
@@ -37,15 +95,16 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
             Queue.all(connection=connection, serializer=MsgpackSerializer), key=lambda q: q.name
         )
     }
+    rq_workers = sorted(Worker.all(connection=connection), key=lambda w: w.name)
+    read = _read_stats(connection, [w.name for w in rq_workers], warn)
     workers = []
-    for w in sorted(Worker.all(connection=connection), key=lambda w: w.name):
-        raw = connection.hget(keys.worker_stats_key(w.name), "stats")
-        stats: dict[str, Any] = MsgpackSerializer.loads(cast(bytes, raw)) if raw else {}
+    for w, (stats, alive) in zip(rq_workers, read, strict=True):
         entry: dict[str, Any] = {
             "name": w.name,
             "state": w.get_state(),
             "queue": ",".join(w.queue_names()),
-            "model": stats.get("model", ""),
+            "model": str(stats.get("model", "")),
+            "alive": alive,
         }
         entry.update({k: int(stats.get(k, 0)) for k in _COUNTERS})
         entry.update({k: v for k, v in stats.items() if k not in entry and k != "name"})
@@ -53,23 +112,64 @@ def collect(connection: redis.Redis) -> dict[str, Any]:
     return {"queues": queues, "workers": workers}
 
 
-def render(doc: dict[str, Any]) -> str:
-    """A terminal table of :func:`collect`'s document."""
-    lines = [
-        f"{'queue':<20} {'queued':>7} {'started':>8} {'finished':>9} {'failed':>7} {'canceled':>9}"
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h10m``, ``4d03h``."""
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _model_name(model: str) -> str:
+    # A local path shows as its last two parts; a repo id (org/name) as it is.
+    parts = Path(model).parts
+    return "/".join(parts[-2:]) if model.startswith(("/", ".", "~")) else model
+
+
+def _worker_row(w: dict[str, Any], now: float) -> list[str]:
+    steps = int(w.get("decode_steps", 0))
+    vec = f"{100 * int(w.get('vectorized_steps', 0)) / steps:.0f}%" if steps else "-"
+    batch = f"{w['running']}/{w['max_batch']}" if "running" in w and "max_batch" in w else "-"
+    rate = f"{float(w['tok_s_1m']):.1f}" if "tok_s_1m" in w else "-"
+    up = duration(now - float(w["started_at"])) if w.get("started_at") else "-"
+    return [
+        str(w["name"]),
+        str(w["queue"]),
+        _model_name(str(w["model"])) or "-",
+        str(w["state"]) + ("" if w.get("alive") else " (no lease)"),
+        batch,
+        rate,
+        vec,
+        str(w.get("tokens_generated", 0)),
+        up,
     ]
-    for name, c in doc["queues"].items():
-        lines.append(
-            f"{name:<20} {c['queued']:>7} {c['started']:>8} {c['finished']:>9} "
-            f"{c['failed']:>7} {c['canceled']:>9}"
-        )
-    lines.append("")
-    lines.append(f"{len(doc['workers'])} worker(s)")
+
+
+def render(doc: dict[str, Any]) -> RenderableType:
+    """:func:`collect`'s document as two tables (queues, workers), for a rich Console."""
+    qt = Table(title="queues", title_justify="left", expand=False)
+    for col in ("queue", "queued", "started", "finished", "failed", "canceled", "workers"):
+        qt.add_column(col, justify="left" if col == "queue" else "right", overflow="fold")
+    serving: dict[str, int] = {}
     for w in doc["workers"]:
-        steps = w["decode_steps"]
-        vec = f"{100 * w['vectorized_steps'] / steps:.0f}%" if steps else "-"
-        lines.append(
-            f"  {w['name']} [{w['state']}] queue={w['queue']} model={w['model']} "
-            f"tokens={w['tokens_generated']} steps={steps} vectorized={vec}"
+        for q in str(w["queue"]).split(","):
+            serving[q] = serving.get(q, 0) + bool(w.get("alive"))
+    for name, c in doc["queues"].items():
+        qt.add_row(
+            name,
+            *(str(c[k]) for k in ("queued", "started", "finished", "failed", "canceled")),
+            str(serving.get(name, 0)),
         )
-    return "\n".join(lines)
+    wt = Table(title=f"workers ({len(doc['workers'])})", title_justify="left", expand=False)
+    for col in ("worker", "queue", "model", "state", "batch", "tok/s 1m", "vectorized"):
+        wt.add_column(col, overflow="fold", justify="left" if col != "tok/s 1m" else "right")
+    wt.add_column("tokens", justify="right")
+    wt.add_column("uptime", justify="right")
+    now = time.time()
+    for w in doc["workers"]:
+        wt.add_row(*_worker_row(w, now))
+    return Group(qt, wt)

@@ -1,4 +1,5 @@
-"""Which jobs a queue holds, newest first: what the dashboard lists (and ``mlxq jobs`` will).
+"""Which jobs a queue holds, newest first, and one job's details: what the dashboard and
+``mlxq jobs`` / ``mlxq status`` list.
 
 Reads rq's own queue list and registries, and from each job's hash only its status and
 timestamps (never its payload, which can be a megabyte of prompt), all in one pipeline.
@@ -17,6 +18,7 @@ from rq.job import Job as RqJob
 from rq.job import JobStatus
 from rq.utils import as_text
 
+from mlxq.producer.client import latest_failure
 from mlxq.producer.codec import MsgpackSerializer
 
 STATUSES = ("queued", "started", "finished", "failed", "canceled")
@@ -131,3 +133,44 @@ def job_queue(connection: redis.Redis, job_id: str) -> str | None:
     """The queue a job was submitted to, or None when no such job exists."""
     raw = connection.hget(RqJob.key_for(job_id), "origin")
     return as_text(raw) if raw else None
+
+
+def job_details(connection: redis.Redis, job_id: str) -> dict[str, Any] | None:
+    """What ``mlxq status`` shows of one job, or None when no such job exists.
+
+    Returns:
+        ``{"id", "queue", "status", "attempts", "worker", "enqueued_at", "started_at",
+        "ended_at", "queue_wait_s", "run_s", "failure_reason"}``: times are Unix seconds
+        or None; ``queue_wait_s`` runs from enqueue to the latest start (or to now while
+        queued), ``run_s`` from that start to the end (or to now while running);
+        ``worker`` is the one that ran it last (or holds it now), None if none did;
+        ``failure_reason`` is set for failed and canceled jobs.
+    """
+    fields = (*_FIELDS, "mlxq_attempt", "worker_name", "mlxq_owner")
+    raw_status, origin, *times, attempts, worker, owner = connection.hmget(
+        RqJob.key_for(job_id), fields
+    )
+    if raw_status is None:
+        return None
+    state = _STATUS.get(as_text(raw_status), "queued")
+    enqueued, started, ended = (_epoch(t) for t in times)
+    now = datetime.now(timezone.utc).timestamp()
+    wait_end = started if started is not None else (None if state != "queued" else now)
+    reason = None
+    if state == "failed":
+        reason = latest_failure(connection, job_id)
+    elif state == "canceled":
+        reason = "canceled"
+    return {
+        "id": job_id,
+        "queue": as_text(origin) if origin else None,
+        "status": state,
+        "attempts": int(attempts) if attempts and as_text(attempts).isdigit() else 0,
+        "worker": as_text(by) if (by := owner or worker) else None,
+        "enqueued_at": enqueued,
+        "started_at": started,
+        "ended_at": ended,
+        "queue_wait_s": None if enqueued is None or wait_end is None else wait_end - enqueued,
+        "run_s": None if started is None else max(0.0, (ended or now) - started),
+        "failure_reason": reason,
+    }

@@ -48,6 +48,10 @@ LOGITS_FIELDS = (
     "min_tokens",
 )
 ROLES = ("system", "user", "assistant", "tool", "developer")
+#: The keys a chat message may carry: OpenAI's, less those needing tools or images.
+MESSAGE_KEYS = frozenset({"role", "content", "name"})
+#: Longest ``name`` of a chat message (OpenAI's limit).
+MAX_NAME_CHARS = 64
 
 #: A sampling-parameter key: jobs with equal keys can share one plain sampler.
 ParamKey = tuple[float, float, int, float]
@@ -157,6 +161,26 @@ class SamplingParams:
         return (self.temperature, self.top_p, self.top_k, self.min_p)
 
 
+def _content(name: str, value: Any) -> str:
+    """A message's content: a string, or OpenAI's list of text parts, joined as mlx-lm's
+    server joins them (no separator)."""
+    if isinstance(value, str):
+        return _text(name, value)
+    if not isinstance(value, Sequence) or isinstance(value, bytes) or not value:
+        raise _bad(name, value, "must be a string or a non-empty list of text parts")
+    if len(value) > MAX_MESSAGES:
+        raise _bad(name, f"<{len(value)} parts>", f"at most {MAX_MESSAGES}")
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{name}[{j}]"
+        if not isinstance(part, Mapping) or set(part) != {"type", "text"}:
+            raise _bad(where, part, "must be a map with exactly 'type' and 'text'")
+        if part["type"] != "text":
+            raise _bad(f"{where}.type", part["type"], "only 'text' parts are supported")
+        texts.append(_text(f"{where}.text", part["text"]))
+    return "".join(texts)
+
+
 def _messages(value: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
         raise _bad("messages", value, "must be a non-empty list of {role, content} maps")
@@ -164,11 +188,18 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
         raise _bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or set(m) != {"role", "content"}:
-            raise _bad(f"messages[{i}]", m, "must be a map with exactly 'role' and 'content'")
+        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m) <= MESSAGE_KEYS:
+            raise _bad(
+                f"messages[{i}]", m, "must be a map with 'role' and 'content' (and optional 'name')"
+            )
         if not isinstance(m["role"], str) or m["role"] not in ROLES:
             raise _bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
-        out.append({"role": m["role"], "content": _text(f"messages[{i}].content", m["content"])})
+        msg = {"role": m["role"], "content": _content(f"messages[{i}].content", m["content"])}
+        if "name" in m:
+            if not isinstance(m["name"], str) or not 0 < len(m["name"]) <= MAX_NAME_CHARS:
+                raise _bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
+            msg["name"] = _text(f"messages[{i}].name", m["name"])
+        out.append(msg)
     return tuple(out)
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxq.producer.codec import Chunk, decode_chunk, decode_message, first_seq
-from mlxq.producer.errors import JobFailed, JobTimeout, PayloadError
+from mlxq.producer.errors import JobFailed, JobTimeout, NoSuchJob, PayloadError
 
 log = logging.getLogger("mlxq.producer")
 
@@ -201,7 +201,8 @@ class Follow:
         it ran, or its log expired. ``text`` etc. are its result's, when finished.
 
         Raises:
-            JobFailed: it failed, or never existed (or its records expired).
+            JobFailed: it failed.
+            NoSuchJob: it never existed (or its records expired).
             StreamGap: chunks are missing that only the log could have given.
         """
         cur = self.cur
@@ -213,7 +214,7 @@ class Follow:
                 "they were lost or refused (read result() for the whole text)",
             )
         if status is None:
-            raise JobFailed(cur.job_id, "job expired or never existed")
+            raise NoSuchJob(f"no job {cur.job_id!r} (never submitted, or its records expired)")
         if status == "failed":
             raise JobFailed(cur.job_id, reason or "unknown")
         if status == "canceled":

@@ -452,7 +452,7 @@ PAYLOAD_CRASHERS: list[tuple[str, Any, str]] = [
     ("prompt too long", {**P, "prompt": "x" * 1_000_001}, "prompt"),
     ("neither prompt nor messages", {"v": 1}, "prompt"),
     ("both prompt and messages", {**P, "messages": [HI]}, "prompt"),
-    ("messages: extra key", {**M, "messages": [{**HI, "name": "x"}]}, "messages[0]"),
+    ("messages: extra key", {**M, "messages": [{**HI, "tool_calls": "x"}]}, "messages[0]"),
     (
         "messages: extra key smuggled late",
         {**M, "messages": [HI, {**HI, "tool": 1}]},

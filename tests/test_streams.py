@@ -9,10 +9,24 @@ import pytest
 import redis
 
 from mlxq.producer import AsyncClient, Client
+from mlxq.producer.connection import connect
 
 pytestmark = pytest.mark.e2e
 
 N = 300
+
+
+def _settled(r: redis.Redis, worker) -> int:
+    """Pub/sub clients once the worker's own cancel listener is subscribed."""
+    import time
+
+    from mlxq.producer import keys
+
+    deadline = time.monotonic() + 10
+    while not r.pubsub_numsub(keys.cancel_channel(worker.name))[0][1]:
+        assert time.monotonic() < deadline, "the worker's cancel listener never subscribed"
+        time.sleep(0.02)
+    return _pubsub_clients(r)
 
 
 def _pubsub_clients(r: redis.Redis) -> int:
@@ -22,8 +36,9 @@ def _pubsub_clients(r: redis.Redis) -> int:
 def test_hundreds_of_threads_stream_through_one_pubsub_connection(
     redis_server, queue_name, start_worker, r
 ):
-    start_worker(max_batch=64, window_ms=50)
-    before = _pubsub_clients(r)
+    worker = start_worker(max_batch=64, window_ms=50)
+    r = connect(redis_server.url)  # 300 threads count connections through it: a blocking pool
+    before = _settled(r, worker)
     client = Client(redis_server.url, queue=queue_name)
     jobs = client.submit_many(
         [dict(prompt=f"stream {i}", max_tokens=6, temperature=1.0, seed=i) for i in range(N)]
@@ -45,8 +60,8 @@ def test_hundreds_of_threads_stream_through_one_pubsub_connection(
 def test_hundreds_of_async_streams_through_one_pubsub_connection(
     redis_server, queue_name, start_worker, r
 ):
-    start_worker(max_batch=64, window_ms=50)
-    before = _pubsub_clients(r)
+    worker = start_worker(max_batch=64, window_ms=50)
+    before = _settled(r, worker)
 
     async def go() -> tuple[list[str], list[str], int]:
         client = AsyncClient(redis_server.url, queue=queue_name)

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 from rq import Queue
+from rq.suspension import is_suspended
 from rq.utils import utcformat
 from rq.worker import SimpleWorker
 
@@ -158,8 +159,13 @@ class Bridge:
         self.k_finished, self.k_failed = keys.finished_registry(q), keys.failed_registry(q)
         self.k_canceled = keys.canceled_registry(q)
         self.rq_queue = Queue(q, connection=self.redis, serializer=MsgpackSerializer)
+        # rq's own job log lines would name a job by its description; mlxq logs its own.
         self.rq_worker = SimpleWorker(
-            [self.rq_queue], connection=self.redis, name=self.name, serializer=MsgpackSerializer
+            [self.rq_queue],
+            connection=self.redis,
+            name=self.name,
+            serializer=MsgpackSerializer,
+            log_job_description=False,
         )
         self._state = ""
 
@@ -172,6 +178,9 @@ class Bridge:
         for s in scripts.SCRIPTS.values():
             self.redis.script_load(s.source)
         self.rq_worker.register_birth()
+        # rq lists a queue once something was enqueued to it; a served queue is listed
+        # (in `mlxq info`, `rq info`) from the moment its first worker starts.
+        self.redis.sadd(keys.RQ_QUEUES, self.k_queue)
         self.set_state("idle")
         self.beat()
 
@@ -189,6 +198,10 @@ class Bridge:
         if state != self._state:
             self.rq_worker.set_state(state)
             self._state = state
+
+    def suspended(self) -> bool:
+        """Whether ``rq suspend`` is in force (rq's own suspension key is set)."""
+        return bool(is_suspended(self.redis))
 
     def rq_heartbeat(self) -> None:
         self.rq_worker.heartbeat()

@@ -8,10 +8,16 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from mlxq.producer import keys
+from mlxq.producer.errors import SetupError
 from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.worker import config as c
+from mlxq.worker import logs
+
+log = logging.getLogger("mlxq.worker")
 
 WORKER_INSTALL_HINT = (
     "the worker needs MLX and mlx-lm: pip install 'mlxq[worker]' "
@@ -35,11 +41,12 @@ def missing_worker_extra(e: ImportError) -> bool:
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="mlx-lm model path or Hugging Face repo id")
+    # The environment's URL is read at run time, never shown: it may hold a password.
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("MLXQ_REDIS_URL", keys.DEFAULT_REDIS_URL),
-        help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s); prefer the "
-        "environment variable for URLs with a password",
+        default=None,
+        help=f"Redis URL (default: $MLXQ_REDIS_URL, else {keys.DEFAULT_REDIS_URL}); prefer "
+        "the environment variable for a URL with a password, which ps would show",
     )
     p.add_argument("--queue", default="default", help="queue to serve (default: %(default)s)")
     p.add_argument(
@@ -87,14 +94,33 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="largest max_tokens a job may ask for (default: %(default)s)",
     )
     p.add_argument(
-        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)"
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=c.DEFAULT_METRICS_HOST,
+        help="address the metrics server binds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="DEBUG (adds tracebacks to errors), INFO, WARNING or ERROR (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="text for people, json (one object per line) for log shippers (default: %(default)s)",
     )
 
 
 def config_from(args: argparse.Namespace) -> c.WorkerConfig:
     return c.WorkerConfig(
         model=args.model,
-        redis_url=args.redis_url,
+        redis_url=args.redis_url or os.environ.get("MLXQ_REDIS_URL") or keys.DEFAULT_REDIS_URL,
         queue=args.queue,
         window_ms=args.window_ms,
         max_batch=args.max_batch,
@@ -103,22 +129,87 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         stream_ttl=args.stream_ttl,
         stream_interval_ms=args.stream_interval_ms,
         max_tokens_cap=args.max_tokens_cap,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
+
+
+def model_problem(model: str) -> str | None:
+    """Why ``model`` cannot be loaded, as far as the file system tells; None when it may
+    (a model directory, or what reads as a Hugging Face repo id)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return (
+                f"model directory {model} has no config.json, so it is no mlx-lm model: "
+                "give a model directory (`mlxq model tiny DIR` writes a test model) or a "
+                "Hugging Face repo id"
+            )
+        return None
+    if path.exists():
+        return f"model {model} is a file: give a model directory or a Hugging Face repo id"
+    # A repo id is "name" or "org/name"; anything else is a path that is not there.
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
+        return f"no model directory {model}: check the path, or give a Hugging Face repo id"
+    return None
+
+
+def _load_problem(model: str, e: Exception) -> str:
+    from huggingface_hub import errors as hf
+
+    if isinstance(e, (hf.RepositoryNotFoundError, hf.GatedRepoError)):
+        return (
+            f"model {model!r}: Hugging Face has no such repo, or it is private: check the "
+            "repo id (org/name), or give a local model directory"
+        )
+    if isinstance(e, (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled)):
+        return (
+            f"model {model!r} is no local directory and cannot be downloaded (Hugging Face "
+            "unreachable or offline mode): check the name, or download it first "
+            f"(hf download {model})"
+        )
+    if isinstance(e, hf.HFValidationError):
+        return f"model {model!r} is neither a local directory nor a Hugging Face repo id"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"cannot load model {model!r}: {type(e).__name__}: {first}"
+
+
+def _check_redis(url: str) -> None:
+    import redis
+
+    from mlxq.producer.connection import connect, problem
+
+    try:
+        connect(url, retries=0).ping()
+    except redis.RedisError as e:
+        raise SetupError(problem(url, e)) from e
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    """Check what the worker needs (MLX, the model path, Redis) with one clear line for
+    what is missing, then load the model and serve.
+
+    Raises:
+        SetupError: Redis cannot be reached, or the model cannot be loaded.
+    """
     config = config_from(args)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.setup(args.log_level, args.log_format)
     try:
+        from mlxq.worker.engine import Engine
         from mlxq.worker.loop import Worker
     except ImportError as e:
         if not missing_worker_extra(e):
             raise
         print(f"mlxq: {WORKER_INSTALL_HINT} ({e})", file=sys.stderr)
         return 2
-    return Worker(config).run()
+    if (problem := model_problem(config.model)) is not None:
+        raise SetupError(problem)
+    _check_redis(config.redis_url)
+    try:
+        engine: Any = Engine.load(config.model, max_batch=config.max_batch)
+    except Exception as e:
+        raise SetupError(_load_problem(config.model, e)) from e
+    return Worker(config, engine).run()
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return run_worker(args)
-    except ValueError as e:
+    except (ValueError, SetupError) as e:
+        if args.log_level.upper() == "DEBUG":
+            log.exception("mlxq worker could not start")
         print(f"mlxq: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, ValueError) else 1

@@ -24,6 +24,8 @@ DEFAULT_STREAM_INTERVAL_MS = 50.0
 DEFAULT_GRACE_S = 30.0
 #: Admission ageing bound (see ``mlxq.batching.admission``).
 DEFAULT_MAX_WAIT_STEPS = 32
+#: Prometheus scrapes from another machine, as it does node exporters: every interface.
+DEFAULT_METRICS_HOST = "0.0.0.0"
 
 
 def default_name() -> str:
@@ -49,6 +51,9 @@ class WorkerConfig:
         stream_interval_ms: Tokens made within this interval share one chunk; 0 writes
             every token as it comes.
         max_wait_steps: Admission ageing bound (see ``mlxq.batching.admission``).
+        metrics_port: Serve Prometheus metrics on this port; None: no metrics server
+            (0 picks a free port).
+        metrics_host: The address the metrics server binds.
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -65,6 +70,8 @@ class WorkerConfig:
     stream_ttl: int = keys.DEFAULT_STREAM_TTL
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
     max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS
+    metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -78,6 +85,10 @@ class WorkerConfig:
         _integer("stream_ttl", self.stream_ttl, 1, keys.MAX_RECORD_TTL)
         _integer("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
         _integer("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
+        if self.metrics_port is not None:
+            _integer("metrics_port", self.metrics_port, 0, 65535)
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ValueError(f"metrics_host={self.metrics_host!r}: give an address to bind")
         if self.name is None:
             object.__setattr__(self, "name", default_name())
         elif (

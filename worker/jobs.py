@@ -117,6 +117,8 @@ class Job:
     _streamed: bool = False
     last_chunk_at: float = 0.0
     ttl_refreshed_at: float = 0.0
+    note: str = ""  # why it failed or went back, for its log line
+    timed_out: bool = False  # it ran past its timeout (it ends failed, logged timed_out)
 
     @property
     def job_id(self) -> str:

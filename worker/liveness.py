@@ -7,7 +7,8 @@ and reaps the other workers on the queue's roll whose lease expired or whose pro
 gone from this host: their jobs go back to the queue's front, in order, within ~5 s of a
 ``kill -9`` (at once when the dead worker's host restarts a worker), far under rq's own
 abandoned-job timeouts. It also publishes the worker's stats for ``mlxq info``, keeps rq's
-records of long jobs fresh, and checks held jobs for cancel requests a message missed.
+records of long jobs fresh, checks held jobs for cancel requests a message missed, and
+watches rq's suspend key (``rq suspend`` / ``rq resume``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Liveness:
         stats: Returns ``(state, stats map)`` for ``mlxq info``.
         held: Returns ``(held job ids, (id, execution id) of running jobs)``.
         on_renewed: Called when the lease had lapsed and was taken again.
+        on_suspend: Called with True when ``rq suspend`` is seen, False at ``rq resume``.
     """
 
     def __init__(
@@ -71,9 +73,12 @@ class Liveness:
         stats: Callable[[], tuple[str, dict[str, Any]]],
         held: Callable[[], tuple[list[str], list[tuple[str, str]]]],
         on_renewed: Callable[[], None] = lambda: None,
+        on_suspend: Callable[[bool], None] | None = None,
     ) -> None:
         self.bridge, self.inbox, self.stats, self.held = bridge, inbox, stats, held
         self.on_renewed = on_renewed
+        self.on_suspend = on_suspend
+        self.suspended = False
         self.reaped_jobs = 0
         self._stop = threading.Event()
         self._poke = threading.Event()
@@ -105,6 +110,7 @@ class Liveness:
         while not self._stop.is_set():
             for step in (
                 self._beat,
+                self._check_suspended,
                 self._reap,
                 self._publish,
                 self._check_cancels,
@@ -142,6 +148,12 @@ class Liveness:
                     self.bridge.name,
                 )
 
+    def _check_suspended(self) -> None:
+        suspended = self.bridge.suspended()
+        if suspended != self.suspended and self.on_suspend is not None:
+            self.suspended = suspended
+            self.on_suspend(suspended)
+
     def _reap(self) -> None:
         for other, value in self.bridge.roll():
             if other == self.bridge.name or (value is not None and not process_gone(value)):
@@ -158,7 +170,7 @@ class Liveness:
             state, stats = self.stats()
             stats["jobs_requeued_from_dead_workers"] = self.reaped_jobs
             self.bridge.write_stats(state, stats)
-            self.bridge.set_state("busy" if state == "busy" else "idle")
+            self.bridge.set_state(state)
 
     def _check_cancels(self) -> None:
         if self._due("cancels", CANCEL_CHECK_S):

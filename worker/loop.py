@@ -29,6 +29,8 @@ from mlxq.worker.config import WorkerConfig
 from mlxq.worker.engine import Engine
 from mlxq.worker.jobs import Job, Status
 from mlxq.worker.liveness import Liveness
+from mlxq.worker.logs import job_event
+from mlxq.worker.metrics import Metrics, NoMetrics, TokenRate
 from mlxq.worker.prefetch import MAX_CHARS_PER_TOKEN, Prefetcher, ttl_expired
 from mlxq.worker.sink import Sink
 
@@ -75,7 +77,12 @@ class Worker:
             runs=self.runs,
         )
         self.liveness = Liveness(
-            self.bridge, self.inbox, self.stats, self._held, on_renewed=self.sink.refresh_ttls
+            self.bridge,
+            self.inbox,
+            self.stats,
+            self._held,
+            on_renewed=self.sink.refresh_ttls,
+            on_suspend=self._on_suspend,
         )
         self.cancels = CancelListener(self.bridge, self.inbox, self.holds)
         self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
@@ -86,6 +93,9 @@ class Worker:
         self.steps = 0
         self.outcomes: Counter[str] = Counter()
         self.born = time.time()
+        self.rate = TokenRate()
+        self.metrics: NoMetrics = NoMetrics()
+        self.suspended = False  # rq's suspend key is set: admit nothing new
         self._stop = threading.Event()
         self._hard = threading.Event()
         self._next_deadline_check = 0.0
@@ -111,6 +121,11 @@ class Worker:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
         self.bridge.register()
+        if self.config.metrics_port is not None:
+            metrics = Metrics(self.stats)
+            port = metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            self.metrics = metrics
+            log.info("metrics at http://%s:%d/metrics", self.config.metrics_host, port)
         for t in (self.sink, self.liveness, self.cancels, self.prefetch):
             t.start()
         log.info(
@@ -134,6 +149,7 @@ class Worker:
         self.cancels.stop()
         settled = self.sink.close(SETTLE_S)
         self.liveness.stop()
+        self.metrics.close()
         try:
             # Leave the roll only with nothing held; else stay on it, lease dropped, so a
             # live worker requeues what this one still holds at once.
@@ -177,9 +193,14 @@ class Worker:
         # A whole batch in reserve: when every row ends at once (a sweep of equal jobs),
         # the next batch is ready to prefill in one pass.
         want = self.engine.free_slots + self.config.max_batch - buffered
-        self.prefetch.want = 0 if self._stop.is_set() else max(0, want)
+        self.prefetch.want = 0 if self._stop.is_set() or self.suspended else max(0, want)
 
     def _take(self) -> None:
+        if self.suspended:  # what the prefetcher still had in flight goes back
+            self._hand_back("rq suspend")
+            if not self.engine.active:
+                self.prefetch.wait(0.05)
+            return
         if self.engine.active or self._buffered():
             self._add(self.prefetch.take())
             return
@@ -208,13 +229,22 @@ class Worker:
                 continue
             job.arrived_step = self.steps
             self.jobs[job.id] = job
+            waited = None if job.enqueued_at is None else max(0.0, time.time() - job.enqueued_at)
+            job_event(
+                log,
+                "queued_wait",
+                job.id,
+                self.config.queue,
+                job.attempts_before + 1,
+                queue_wait_s=waited,
+            )
 
     # -- schedule ----------------------------------------------------------------------
 
     def _admit(self) -> None:
         free = self.engine.free_slots
         buffered = self._buffered()
-        if not buffered or free <= 0 or self._stop.is_set():
+        if not buffered or free <= 0 or self._stop.is_set() or self.suspended:
             return
         running = Counter(j.key for j in self._running())
         chosen = admit(buffered, running, min(free, self.config.max_batch), self.steps, self.policy)
@@ -240,18 +270,24 @@ class Worker:
                 self._end(job, "failed", job.fail(f"engine error: {type(e).__name__}: {e}"))
             return
         self.fresh.update(j.id for j in rows)
+        self.metrics.started(rows)
         for job in rows:
-            log.info(
-                "job %s started (attempt %d, %d prompt tokens, waited %.3f s)",
+            job_event(
+                log,
+                "started",
                 job.id,
+                self.config.queue,
                 job.attempt,
-                len(job.prompt_ids),
-                time.monotonic() - job.claimed_at,
+                prompt_tokens=len(job.prompt_ids),
+                queue_wait_s=(
+                    None if job.enqueued_at is None else max(0.0, job.started_at - job.enqueued_at)
+                ),
+                buffered_s=job.started_mono - job.claimed_at,
             )
 
     def _fail_unstarted(self, job: Job, reason: str) -> None:
-        log.warning("job %s failed before start: %s", job.id, reason)
         job.status = Status.ENDING
+        job.note = reason
         self.sink.fail(job.id, job.attempts_before, reason)
 
     def _check_deadlines(self) -> None:
@@ -261,6 +297,7 @@ class Worker:
         self._next_deadline_check = now + DEADLINE_CHECK_S
         for job in list(self.jobs.values()):
             if job.status is Status.RUNNING and job.deadline is not None and now > job.deadline:
+                job.timed_out = True
                 self.engine.remove([job])
                 self._end(
                     job,
@@ -284,6 +321,7 @@ class Worker:
         self.steps += 1
         self.fresh.clear()
         now = time.monotonic()
+        self.metrics.step(now, touched)
         chunks: list[tuple[str, Chunk, bool]] = []
         ends: list[tuple[Job, Chunk]] = []
         for job in touched:
@@ -315,6 +353,7 @@ class Worker:
         self.fresh.discard(job.id)
         if outcome == "failed" and not reason:
             reason = final.error or "failed"
+        job.note = reason
         self.sink.end(
             End(
                 job.id,
@@ -349,7 +388,7 @@ class Worker:
     def _release(self, jobs: list[Job], mode: str, why: str) -> None:
         for job in jobs:
             job.status = Status.ENDING
-            log.info("job %s requeued (%s)", job.id, why)
+            job.note = why
         self.engine.remove(jobs)
         self.sink.release(mode, [j.id for j in jobs])
 
@@ -372,6 +411,8 @@ class Worker:
                 self._on_write_failed(*value)
             elif kind == "reaped":
                 self._abandon()
+            elif kind == "suspend":
+                self._suspend(value)
 
     def _on_started(self, verdicts: dict[str, str]) -> None:
         for job_id, verdict in verdicts.items():
@@ -380,7 +421,7 @@ class Worker:
                 continue
             # Canceled meanwhile, or no longer this worker's: drop it; nothing of it was
             # written after its start, and the writer voids what is still queued.
-            log.info("job %s %s at start", job_id, verdict)
+            job.status, job.note = Status.ENDING, f"{verdict} at start"
             self.engine.remove([job])
             self.fresh.discard(job_id)
             self._settle(job_id, "canceled" if verdict == "canceled" else "dropped")
@@ -391,16 +432,52 @@ class Worker:
             return  # gone already, or claimed afresh after its hand-back committed
         del self.jobs[job_id]
         self.outcomes[outcome] += 1
-        if outcome in ("finished", "failed", "canceled"):
-            took = time.monotonic() - job.started_mono if job.started_mono else 0.0
-            log.info(
-                "job %s %s (attempt %d, %d tokens, %.3f s)",
-                job_id,
-                outcome,
-                job.attempt,
-                job.generated,
-                took,
+        self.metrics.settled(job, outcome)
+        self._log_end(job, outcome)
+
+    def _log_end(self, job: Job, outcome: str) -> None:
+        now = time.monotonic()
+        started = bool(job.started_mono)
+        event = "timed_out" if outcome == "failed" and job.timed_out else outcome
+        level = logging.INFO if outcome in ("finished", "canceled", "requeued") else logging.WARNING
+        job_event(
+            log,
+            event,
+            job.id,
+            self.config.queue,
+            job.attempt or job.attempts_before + 1,
+            level,
+            tokens=job.generated if started else None,
+            prompt_tokens=len(job.prompt_ids),
+            finish_reason=job.finish_reason if outcome == "finished" else None,
+            ttft_s=None if job.first_token_at is None else job.first_token_at - job.started_mono,
+            run_s=now - job.started_mono if started else None,
+            e2e_s=None if job.enqueued_at is None else max(0.0, time.time() - job.enqueued_at),
+            reason=(job.note or None) if outcome != "finished" else None,
+        )
+
+    def _on_suspend(self, suspended: bool) -> None:
+        """rq's suspend key came or went (the liveness thread calls this)."""
+        self.prefetch.pause(suspended)
+        self.inbox.put(("suspend", suspended))
+
+    def _suspend(self, suspended: bool) -> None:
+        self.suspended = suspended
+        if suspended:
+            log.warning(
+                "rq suspend is set: admitting nothing new until `rq resume`; %d running "
+                "job(s) go on, waiting ones go back to the queue",
+                len(self._running()),
             )
+            self._hand_back("rq suspend")
+        else:
+            log.info("rq resume: admitting jobs again")
+
+    def _hand_back(self, why: str) -> None:
+        """Give every job not running yet back to the queue's front, the prefetched ones
+        too (a clean hand-back: no attempt is counted against them)."""
+        self._add(self.prefetch.take())
+        self._release(self._buffered(), "clean", why)
 
     def _on_cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
@@ -438,18 +515,16 @@ class Worker:
     def _drain(self) -> None:
         """After SIGTERM: admit nothing, let running jobs finish within the grace period,
         then requeue what remains at the queue's front (not counted as failed runs)."""
-        for job in self.prefetch.drain():
-            job.status = Status.ENDING
-            self.jobs.setdefault(job.id, job)
-            self.sink.release("clean", [job.id])
-        self._release(self._buffered(), "clean", "shutting down")
+        self.prefetch.stop()
+        self._hand_back("shutting down")
         deadline = time.monotonic() + self.config.grace_s
         while self._running() and time.monotonic() < deadline and not self._hard.is_set():
             self._handle_inbox()
             self._check_deadlines()
             if self.engine.active:
                 self._step()
-        self._release(self._running(), "clean", "grace period over")
+        why = "second stop signal" if self._hard.is_set() else "grace period over"
+        self._release(self._running(), "clean", why)
         settle = time.monotonic() + SETTLE_S
         while self.jobs and time.monotonic() < settle:
             self._handle_inbox()
@@ -467,7 +542,7 @@ class Worker:
         c = self.engine.counters
         jobs = list(self.jobs.values())
         running = sum(j.status is Status.RUNNING for j in jobs)
-        state = "busy" if running else "idle"
+        state = "busy" if running else "suspended" if self.suspended else "idle"
         return state, {
             "name": self.name,
             "queue": self.config.queue,
@@ -482,6 +557,10 @@ class Worker:
             "jobs_finished": self.outcomes["finished"],
             "jobs_failed": self.outcomes["failed"] + self.prefetch.failed,
             "jobs_canceled": self.outcomes["canceled"],
+            "jobs_requeued": self.outcomes["requeued"],
+            "tok_s_1m": round(self.rate.sample(c.tokens_generated), 2),
+            "suspended": self.suspended,
+            "updated_at": time.time(),
             "running": running,
             "buffered": sum(j.status is Status.BUFFERED for j in jobs),
             "pid": os.getpid(),

@@ -23,6 +23,7 @@ from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.bridge import Bridge, Claimed, LeaseLost
 from mlxq.worker.jobs import Job
+from mlxq.worker.logs import job_event
 from mlxq.worker.sink import Sink
 
 log = logging.getLogger("mlxq.worker")
@@ -273,9 +274,24 @@ class Prefetcher:
         elif c.verdict in ("dup", "missing"):
             log.warning("job %s: dropped a stale queue entry (%s %s)", job_id, c.verdict, c.detail)
         elif c.verdict == "canceled":
-            log.info("job %s canceled before it started", job_id)
+            job_event(
+                log,
+                "canceled",
+                job_id,
+                self.bridge.queue_name,
+                c.attempts + 1,
+                reason="canceled before it started",
+            )
 
     def _fail(self, job_id: str, c: Claimed, reason: str) -> None:
-        log.warning("job %s failed before start: %s", job_id, reason)
+        job_event(
+            log,
+            "failed",
+            job_id,
+            self.bridge.queue_name,
+            c.attempts + 1,
+            logging.WARNING,
+            reason=f"before start: {reason}",
+        )
         self.failed += 1
         self.sink.fail(job_id, c.attempts, reason)

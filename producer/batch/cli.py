@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("MLXQ_REDIS_URL", keys.DEFAULT_REDIS_URL),
-        help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s)",
+        default=None,
+        help=f"Redis URL (default: $MLXQ_REDIS_URL, else {keys.DEFAULT_REDIS_URL})",
     )
     p.add_argument(
         "--max-in-flight",
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         output=args.output,
         errors=args.errors,
         queue=args.queue,
-        redis_url=args.redis_url,
+        redis_url=args.redis_url or os.environ.get("MLXQ_REDIS_URL") or keys.DEFAULT_REDIS_URL,
         max_in_flight=args.max_in_flight,
         detach=args.detach,
         progress=args.progress,

@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("MLXQ_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (default: $MLXQ_REDIS_URL or %(default)s)",
+        default=None,
+        help=f"Redis URL (default: $MLXQ_REDIS_URL, else {DEFAULT_REDIS_URL})",
     )
     # The default is read from the environment but never shown: it is a secret.
     p.add_argument(
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlxq: {SERVE_INSTALL_HINT} ({e})", file=sys.stderr)
         return 2
     config = GatewayConfig(
-        redis_url=args.redis_url,
+        redis_url=args.redis_url or os.environ.get("MLXQ_REDIS_URL") or DEFAULT_REDIS_URL,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

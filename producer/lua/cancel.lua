@@ -7,7 +7,7 @@ local id = ARGV[1]
 local jk = jkey(id)
 local f = redis.call('HMGET', jk, 'status', 'origin', 'mlxq_owner', 'failure_ttl')
 local status, origin, owner = f[1], f[2] or '', f[3] or ''
-if status == nil then return 'nosuch' end
+if not status then return 'nosuch' end  -- HMGET gives false for a missing field
 if TERMINAL[status] then return 'ended' end
 if status == 'queued' and redis.call('LREM', K_QUEUE .. origin, 0, id) > 0 then
   mark_canceled(id, K_CANCELED .. origin, f[4], tonumber(ARGV[2]), ARGV[3], ARGV[5],

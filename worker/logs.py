@@ -1,0 +1,83 @@
+"""The worker's log: text for people or JSON lines for log shippers, and one line per job
+lifecycle event.
+
+Every event of a job (``queued_wait``: claimed after waiting in the queue; ``started``,
+``finished``, ``failed``, ``canceled``, ``requeued``, ``timed_out``) is logged by
+:func:`job_event` as one line naming the job id, queue and attempt, with its tokens and
+timings as fields: ``key=value`` in the text, top-level keys in JSON (passed as the
+record's ``extra``). No log line carries a prompt or generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+EVENTS = ("queued_wait", "started", "finished", "failed", "canceled", "requeued", "timed_out")
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
+    every ``extra`` field, and ``exc`` (the traceback) when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        doc.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, ensure_ascii=False)
+
+
+def setup(level: str, fmt: str = "text") -> None:
+    """Configure the root logger for the worker process.
+
+    Raises:
+        ValueError: an unknown level or format.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"log_format={fmt!r}: must be one of {', '.join(FORMATS)}")
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ValueError(f"log_level={level!r}: must be DEBUG, INFO, WARNING or ERROR")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # rq's worker methods log job descriptions at INFO; mlxq logs its own job events.
+    logging.getLogger("rq").setLevel(logging.WARNING)
+
+
+def _text(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    s = str(v)
+    return repr(s) if any(c.isspace() for c in s) or not s else s
+
+
+def job_event(
+    log: logging.Logger,
+    event: str,
+    job_id: str,
+    queue: str,
+    attempt: int,
+    level: int = logging.INFO,
+    **fields: Any,
+) -> None:
+    """Log one lifecycle event of a job; fields that are None are left out."""
+    extra = {"event": event, "job_id": job_id, "queue": queue, "attempt": attempt}
+    extra.update({k: v for k, v in fields.items() if v is not None})
+    detail = " ".join(f"{k}={_text(v)}" for k, v in extra.items() if k not in ("event", "job_id"))
+    log.log(level, "job %s %s %s", job_id, event, detail, extra=extra)
