@@ -64,13 +64,35 @@ GROUPS: list[dict[str, Any]] = [
     {"temperature": 0.8, "min_p": 0.05},
     {"temperature": 0.0},
 ]
-STEADY = ("direct-shared", "direct-rowmix", "mlxq-homog", "mlxq-mixed", "mlxq-mixed-listen")
+# Every row as homogeneous runs, plus log-probs (top 5) / penalties and a bias: what
+# those cost per step against mlxq-homog (opt-in: --modes ...,mlxq-logprobs).
+EXTRAS: dict[str, dict[str, Any]] = {
+    "mlxq-logprobs": {**HOMOG, "logprobs": True, "top_logprobs": 5},
+    "mlxq-penalties": {
+        **HOMOG,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "logit_bias": {i: 1.0 for i in range(3, 13)},
+    },
+}
+STEADY = (
+    "direct-shared",
+    "direct-rowmix",
+    "mlxq-homog",
+    "mlxq-mixed",
+    "mlxq-mixed-listen",
+    *EXTRAS,
+)
 MODES = (*STEADY, "short", "ttft")
+DEFAULT_MODES = tuple(m for m in MODES if m not in EXTRAS)
 # The direct run doing the same work (same prompts, same params) as each mlxq run.
 PAIR = {
     "mlxq-homog": "direct-shared",
     "mlxq-mixed": "direct-rowmix",
     "mlxq-mixed-listen": "direct-rowmix",
+    "mlxq-logprobs": "direct-shared",
+    "mlxq-penalties": "direct-shared",
     "short-mlxq": "short-direct",
 }
 DEFAULTS = {
@@ -537,7 +559,13 @@ def plot(best: dict[tuple[str, int], Run], path: Path) -> bool:
 def steady_run(
     direct: Direct, mq: Mlxq, mode: str, prompts: list[str], args: argparse.Namespace
 ) -> Run:
-    params = [HOMOG] if mode in ("direct-shared", "mlxq-homog") else GROUPS
+    params = (
+        [EXTRAS[mode]]
+        if mode in EXTRAS
+        else [HOMOG]
+        if mode in ("direct-shared", "mlxq-homog")
+        else GROUPS
+    )
     if mode.startswith("direct"):
         return direct.run(mode, direct.encode(prompts), args.tokens, params)
     listeners = args.listeners if mode == "mlxq-mixed-listen" else 0
@@ -590,8 +618,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--modes",
         type=lambda s: s.split(","),
-        default=list(MODES),
-        help=f"comma-separated subset of {','.join(MODES)} (default: all)",
+        default=list(DEFAULT_MODES),
+        help=f"comma-separated subset of {','.join(MODES)} (default: all but {','.join(EXTRAS)})",
     )
     ap.add_argument("--model-dir", help="build the model here (reused if it holds the shape)")
     ap.add_argument(
