@@ -3,9 +3,9 @@
 Where OpenAI documents a default, it is used (``temperature`` 1, ``max_tokens`` 16 for
 completions); chat's ``max_tokens`` defaults to mlxq's 256. ``max_completion_tokens`` wins
 over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids`` and
-``min_tokens`` are taken too; ``user`` is kept in the job's metadata. Fields that need
-worker support this mlxq version lacks (see :func:`submit_supports`) are refused by name
-when set to anything but their neutral value.
+``min_tokens`` are taken too; ``user`` is kept in the job's metadata. Every field maps onto a
+:meth:`Client.submit` argument; :func:`submit_supports` keeps that true by refusing, by
+name, any field whose argument ``submit`` lacks.
 Unknown fields are ignored, with one warning per field name per process.
 """
 
