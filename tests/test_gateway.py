@@ -30,18 +30,11 @@ from rq import Queue
 from mlxq.producer import Client
 from mlxq.producer.info import collect
 from mlxq.producer.listing import recent_jobs
-from mlxq.producer.openai_api import submit_supports
 
 pytestmark = pytest.mark.e2e
 
 # Seeded, so the random tiny model never ends it early: it runs for seconds.
 LONG = dict(max_tokens=2000, temperature=1.0, seed=5)
-
-
-def needs(feature: str) -> None:
-    """Skip until this mlxq version's submit takes ``feature`` (so the worker supports it)."""
-    if not submit_supports(feature):
-        pytest.skip(f"needs worker support for {feature}")
 
 
 def _job_id(completion_id: str) -> str:
@@ -249,7 +242,6 @@ def test_stop_seed_and_sampling_fields_reach_the_job(oai, queue):
 
 
 def test_logprobs_chat_and_completions(oai, queue):
-    needs("logprobs")
     chat = oai.chat.completions.create(
         model=queue,
         messages=[{"role": "user", "content": "x"}],
@@ -284,7 +276,6 @@ def test_logprobs_chat_and_completions(oai, queue):
 
 
 def test_n_choices(oai, queue):
-    needs("n")
     res = oai.completions.create(
         model=queue, prompt="Say", max_tokens=8, temperature=1.0, seed=3, n=3
     )
@@ -300,8 +291,6 @@ def test_n_choices(oai, queue):
 
 
 def test_penalties_and_logit_bias(oai, queue):
-    needs("logit_bias")
-    needs("repetition_penalty")
     kw: dict[str, Any] = dict(model=queue, max_tokens=8, temperature=0)
     forced = [
         oai.completions.create(**kw, prompt=p, logit_bias={"7": 100}).choices[0].text

@@ -26,7 +26,7 @@ from mlxq.producer.batch.files import Journal, LineFile
 from mlxq.producer.batch.lines import LineChecker, LineError, Request
 from mlxq.producer.batch.records import answered_id, failure, line_error, reported_line
 from mlxq.producer.codec import MsgpackSerializer
-from mlxq.producer.openai_api import CHAT, COMPLETIONS, parse_request, submit_supports
+from mlxq.producer.openai_api import CHAT, COMPLETIONS, parse_request
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -174,21 +174,14 @@ def test_line_checker_names_what_is_wrong_and_skips_what_was_answered():
     assert isinstance(filled, Request) and filled.req.model == "q"
 
 
-def test_features_the_worker_lacks_are_refused_by_name_until_submit_takes_them():
+def test_generation_fields_reach_submit():
     c = LineChecker()
     for i, (field, value) in enumerate(
         [("min_tokens", 2), ("stop_token_ids", [5, 7]), ("logprobs", 1), ("presence_penalty", 1)],
         start=1,
     ):
         got = c.check(i, json.dumps(comp(f"x{i}", "hi", "m", **{field: value})).encode())
-        if submit_supports(field):
-            assert isinstance(got, Request) and field in got.req.submit
-        else:
-            assert (
-                isinstance(got, LineError)
-                and got.param == field
-                and "not supported" in (got.message)
-            )
+        assert isinstance(got, Request) and field in got.req.submit, got
     bad = c.check(9, json.dumps(comp("y", "hi", "m", stop_token_ids=[1, -2])).encode())
     assert isinstance(bad, LineError) and bad.param == "stop_token_ids[1]"
 
@@ -315,10 +308,7 @@ def test_a_mixed_file(tmp_path, redis_server, queue_name, start_worker):
         11: ("invalid_request", "top_p"),
     }
     valid = {"chat-0", "comp-0", "chat-1", "comp-1", "comp-2"}
-    if submit_supports("logprobs"):
-        valid.add("wants-logprobs")
-    else:  # refused by name until the worker supports it
-        expected_errors[13] = ("invalid_request", "logprobs")
+    valid.add("wants-logprobs")
     got = assert_once_each(out, valid, failed=frozenset({"too-long"}))
     (bad,) = [rec for rec in answers(out) if rec["custom_id"] == "too-long"]
     assert bad["response"]["status_code"] == 500 and bad["error"]["code"] == "job_failed"
@@ -330,8 +320,7 @@ def test_a_mixed_file(tmp_path, redis_server, queue_name, start_worker):
             max_tokens = x["body"].get("max_completion_tokens", x["body"].get("max_tokens"))
             check_answer(by_id[x["custom_id"]], x["url"], q, max_tokens)
     assert by_id["comp-1"]["response"]["body"]["usage"]["completion_tokens"] <= 4
-    if "wants-logprobs" in by_id:
-        assert by_id["wants-logprobs"]["response"]["body"]["choices"][0]["logprobs"] is not None
+    assert by_id["wants-logprobs"]["response"]["body"]["choices"][0]["logprobs"] is not None
 
     errors = read_jsonl(err)
     assert {e["error"]["line"]: (e["error"]["code"], e["error"]["param"]) for e in errors} == (
