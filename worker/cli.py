@@ -105,6 +105,15 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="address the metrics server binds (default: %(default)s)",
     )
     p.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        default=None,
+        help="bytes of KV state kept so later jobs that start with the same tokens (a "
+        "sweep's shared prefix, a chat's history) skip that part of the prefill; 0 turns "
+        "the cache off (default: a quarter of the device's recommended working set, "
+        "1 GiB on a CPU)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         help="DEBUG (adds tracebacks to errors), INFO, WARNING or ERROR (default: %(default)s)",
@@ -131,6 +140,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         max_tokens_cap=args.max_tokens_cap,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        prompt_cache_bytes=args.prompt_cache_bytes,
     )
 
 
@@ -206,7 +216,11 @@ def run_worker(args: argparse.Namespace) -> int:
         raise SetupError(problem)
     _check_redis(config.redis_url)
     try:
-        engine: Any = Engine.load(config.model, max_batch=config.max_batch)
+        engine: Any = Engine.load(
+            config.model,
+            max_batch=config.max_batch,
+            prompt_cache_bytes=config.prompt_cache_bytes,
+        )
     except Exception as e:
         raise SetupError(_load_problem(config.model, e)) from e
     return Worker(config, engine).run()

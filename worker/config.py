@@ -54,6 +54,9 @@ class WorkerConfig:
         metrics_port: Serve Prometheus metrics on this port; None: no metrics server
             (0 picks a free port).
         metrics_host: The address the metrics server binds.
+        prompt_cache_bytes: Bytes of KV state kept for later jobs that start with the same
+            tokens; 0: no prompt cache; None: a quarter of the device's recommended working
+            set, 1 GiB on a CPU (decided where MLX is loaded).
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -72,6 +75,7 @@ class WorkerConfig:
     max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST
+    prompt_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -87,6 +91,8 @@ class WorkerConfig:
         _integer("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
         if self.metrics_port is not None:
             _integer("metrics_port", self.metrics_port, 0, 65535)
+        if self.prompt_cache_bytes is not None:
+            _integer("prompt_cache_bytes", self.prompt_cache_bytes, 0, 1 << 50)
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ValueError(f"metrics_host={self.metrics_host!r}: give an address to bind")
         if self.name is None:

@@ -40,6 +40,7 @@ from mlxq.batching.rows import RowSampler
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.jobs import Job
+from mlxq.worker.prompt_cache import PromptCache, default_budget
 
 #: What OpenAI reports for a token that cannot be sampled at all (log-prob -inf).
 LOGPROB_FLOOR = -9999.0
@@ -52,6 +53,12 @@ class StepCounters:
     sampler_calls: int = 0
     tokens_generated: int = 0
     prompt_tokens: int = 0
+    #: Prompt cache: rows looked up, rows that found a prefix, the tokens those held,
+    #: and prompt tokens run through the model (rows' rests and shared prefixes).
+    prompt_cache_queries: int = 0
+    prompt_cache_hits: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_prefilled: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
@@ -226,6 +233,9 @@ class Engine:
         max_batch: Most rows decoding at once (``completion_batch_size``).
         prefill_step_size: Prompt tokens per prefill forward pass.
         max_kv_size: Rotating KV cache size, None for the full context.
+        prompt_cache_bytes: Bytes of KV state kept for later jobs that start with the
+            same tokens (see :mod:`mlxq.worker.prompt_cache`); 0: no prompt cache;
+            None: :func:`~mlxq.worker.prompt_cache.default_budget`.
     """
 
     def __init__(
@@ -236,9 +246,24 @@ class Engine:
         max_batch: int = 32,
         prefill_step_size: int = 2048,
         max_kv_size: int | None = None,
+        prompt_cache_bytes: int | None = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
+        if prompt_cache_bytes is None:
+            prompt_cache_bytes = default_budget()
+        if prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes={prompt_cache_bytes!r}: must be >= 0")
+        self.prompt_cache = (
+            PromptCache(
+                model,
+                prompt_cache_bytes,
+                max_kv_size=max_kv_size,
+                prefill_step_size=prefill_step_size,
+            )
+            if prompt_cache_bytes
+            else None
+        )
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.counters = StepCounters()
         self.max_context = _context_length(model)
@@ -266,13 +291,21 @@ class Engine:
         return cls(loaded[0], loaded[1], **kw)
 
     def reset(self) -> None:
-        """Drop every row and start a fresh generator (after an MLX error)."""
+        """Drop every row and start a fresh generator (after an MLX error), and empty the
+        prompt cache: after an error its entries are no longer trusted."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
         self.sampler = RowSampler(self.vocab_size, self._eos)
         self.sampler.counters = self.counters  # type: ignore[attr-defined]
         self._gen = _Generator(self.model, self.sampler, **self._kw)
         self._rows.clear()
         self._uids_of.clear()
         self._stops.clear()
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        """Bytes the prompt cache holds now."""
+        return 0 if self.prompt_cache is None else self.prompt_cache.nbytes
 
     @property
     def active(self) -> int:
@@ -331,9 +364,12 @@ class Engine:
         if not rows:
             return
         stops = [self._stop_tokens(job) for job, _ in rows]
+        prompts, caches, held = self._cached([job.prompt_ids for job, _ in rows])
         uids = self._gen.insert(
-            [job.prompt_ids for job, _ in rows],
+            [p[n:] for p, n in zip(prompts, held, strict=True)],
             max_tokens=[job.request.max_tokens for job, _ in rows],
+            caches=caches,
+            all_tokens=[p[:n] for p, n in zip(prompts, held, strict=True)],
             stop_sequences=[StopSequences([[t] for t in sorted(s)]) for s in stops],
         )
         for uid, (job, i), stop in zip(uids, rows, stops, strict=True):
@@ -347,6 +383,34 @@ class Engine:
             if stop != self._eos:
                 self._stops[uid] = stop
         self.counters.prompt_tokens += sum(len(job.prompt_ids) for job, _ in rows)
+
+    def _cached(
+        self, prompts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[Any]] | None, list[int]]:
+        """Each row's prompt, the cache of its longest cached prefix (None: none) and how
+        many tokens that holds; prefixes the rows share and the cache lacks are prefilled
+        first, once each."""
+        c, pc = self.counters, self.prompt_cache
+        if pc is None:
+            c.prompt_tokens_prefilled += sum(len(p) for p in prompts)
+            return prompts, None, [0] * len(prompts)
+        c.prompt_tokens_prefilled += pc.prefill_shared(prompts)
+        caches: list[Any] = []
+        held: list[int] = []
+        for p in prompts:
+            cache, n = pc.fetch(p)
+            caches.append(cache)
+            held.append(n)
+            c.prompt_cache_queries += 1
+            c.prompt_cache_hits += cache is not None
+            c.prompt_tokens_cached += n
+            c.prompt_tokens_prefilled += len(p) - n
+        return prompts, caches, held
+
+    def _keep(self, tokens: list[int] | None, cache: list[Any] | None) -> None:
+        """Keep a finished row's cache (its prompt and completion) for later jobs."""
+        if self.prompt_cache is not None and tokens and cache:
+            self.prompt_cache.store(list(tokens), cache)
 
     def _stop_tokens(self, job: Job) -> frozenset[int]:
         lp = job.request.logits
@@ -370,6 +434,8 @@ class Engine:
             if row is not None:
                 self._on_token(r.uid, row[0], row[1], r.token, r.finish_reason, r.logprobs)
                 touched[row[0].id] = row[0]
+            if r.finish_reason is not None:
+                self._keep(r.all_tokens, r.prompt_cache)
         self.counters.tokens_generated += len(responses)
         return list(touched.values())
 
@@ -392,7 +458,10 @@ class Engine:
             lps = [self._logprob_entry(logprob, segment)]
         text, stopped = choice.stops.feed(segment)
         if stopped and finish is None:
-            self._gen.remove([uid])
+            kept = self._gen.remove([uid], return_prompt_caches=self.prompt_cache is not None)
+            if uid in kept:
+                cache, tokens = kept[uid]
+                self._keep(tokens, cache)
             finish = "stop"
         elif finish is not None:
             text += choice.stops.flush()

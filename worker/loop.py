@@ -62,7 +62,9 @@ class Worker:
     def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
         self.config = config
         self.name = config.worker_name
-        self.engine = engine or Engine.load(config.model, max_batch=config.max_batch)
+        self.engine = engine or Engine.load(
+            config.model, max_batch=config.max_batch, prompt_cache_bytes=config.prompt_cache_bytes
+        )
         self.bridge = Bridge(config)
         self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.jobs: dict[str, Job] = {}  # every job past the prefetcher, until settled
@@ -554,6 +556,11 @@ class Worker:
             "sampler_calls": c.sampler_calls,
             "tokens_generated": c.tokens_generated,
             "prompt_tokens": c.prompt_tokens,
+            "prompt_tokens_prefilled": c.prompt_tokens_prefilled,
+            "prompt_cache_queries": c.prompt_cache_queries,
+            "prompt_cache_hits": c.prompt_cache_hits,
+            "prompt_tokens_cached": c.prompt_tokens_cached,
+            "prompt_cache_bytes": self.engine.prompt_cache_bytes,
             "jobs_finished": self.outcomes["finished"],
             "jobs_failed": self.outcomes["failed"] + self.prefetch.failed,
             "jobs_canceled": self.outcomes["canceled"],

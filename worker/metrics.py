@@ -7,7 +7,11 @@ counters): ``num_requests_running``, ``num_requests_waiting``, ``prompt_tokens_t
 histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
 ``iteration_tokens_total``; then mlxq's own: ``decode_steps_total``,
-``vectorized_steps_total``, ``jobs_total{outcome}`` and ``batch_size``.
+``vectorized_steps_total``, ``jobs_total{outcome}`` and ``batch_size``; and the prompt
+cache's, as vLLM names its prefix cache: ``prefix_cache_queries_total`` and
+``prefix_cache_hits_total`` (rows looked up, rows that found a prefix: counters, not a
+ratio), ``prefix_cache_tokens_total`` (prompt tokens reused), ``prefix_cache_bytes`` (held
+now) and ``prompt_tokens_prefilled_total`` (prompt tokens computed).
 
 Counters and gauges are read from the worker's stats map when scraped, so the decode loop
 pays nothing for them; the latency histograms are fed by four calls of the loop:
@@ -178,12 +182,33 @@ class _StatsCollector(Collector):
             s["buffered"],
         )
         for name, key, doc in (
-            ("mlxq_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled"),
+            ("mlxq_prompt_tokens", "prompt_tokens", "Prompt tokens of started rows"),
+            (
+                "mlxq_prompt_tokens_prefilled",
+                "prompt_tokens_prefilled",
+                "Prompt tokens run through the model (those the prompt cache held excluded)",
+            ),
+            (
+                "mlxq_prefix_cache_queries",
+                "prompt_cache_queries",
+                "Rows looked up in the prompt cache",
+            ),
+            ("mlxq_prefix_cache_hits", "prompt_cache_hits", "Rows that found a cached prefix"),
+            (
+                "mlxq_prefix_cache_tokens",
+                "prompt_tokens_cached",
+                "Prompt tokens taken from the prompt cache instead of prefilled",
+            ),
             ("mlxq_generation_tokens", "tokens_generated", "Tokens generated"),
             ("mlxq_decode_steps", "decode_steps", "Decode steps run"),
             ("mlxq_vectorized_steps", "vectorized_steps", "Decode steps sampled in one call"),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
+        yield GaugeMetricFamily(
+            "mlxq_prefix_cache_bytes",
+            "Bytes of KV state the prompt cache holds",
+            s["prompt_cache_bytes"],
+        )
         jobs = CounterMetricFamily(
             "mlxq_jobs", "Jobs this worker settled, by outcome", labels=["outcome"]
         )

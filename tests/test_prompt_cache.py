@@ -1,0 +1,242 @@
+"""The prompt cache: outputs never change, hits are counted, the byte budget holds, and a
+canceled job, a restart or a model whose cache cannot merge break nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlxq.producer import Client
+from mlxq.producer.params import GenerationRequest, SamplingParams
+
+mlx_lm = pytest.importorskip("mlx_lm")
+
+from mlxq.worker.engine import Engine  # noqa: E402
+from mlxq.worker.jobs import Job  # noqa: E402
+from mlxq.worker.prompt_cache import PromptCache, shared_prefixes  # noqa: E402
+
+#: About 450 tokens of the tiny model's tokenizer, shared by every job below.
+PREFIX = "Answer as the examples do. " + " ".join(f"example {i}: the harbour" for i in range(90))
+QUESTIONS = [f" Question {i}: where do the boats go at dawn?" for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return mlx_lm.load(str(tiny_model))
+
+
+def _run(engine: Engine, reqs: list[GenerationRequest], *, at_once: int) -> list[list[int]]:
+    """Run requests to the end, admitting ``at_once`` whenever rows are free."""
+    jobs = []
+    for i, req in enumerate(reqs):
+        job = Job(f"j{i}", req, engine.encode(req))
+        job.start("exec", engine.new_detokenizer)
+        jobs.append(job)
+    pending = list(jobs)
+    while pending or engine.active:
+        if pending and engine.free_slots:
+            n = min(at_once, engine.free_slots)
+            engine.add(pending[:n])
+            pending = pending[n:]
+        engine.step()
+    return [j.token_ids for j in jobs]
+
+
+def _sweep(seeded: bool, n: int = 12) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            prompt=PREFIX + QUESTIONS[i % len(QUESTIONS)] + f" ({i})",
+            max_tokens=8,
+            sampling=SamplingParams(temperature=0.9, seed=i) if seeded else SamplingParams(),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("at_once", [1, 4])
+def test_outputs_are_the_same_with_and_without_the_cache(loaded, seeded, at_once):
+    """One job at a time (each finds the last one's entry), and bursts of four (whose
+    shared prefix is prefilled once, before its rows)."""
+    reqs = _sweep(seeded)
+    plain = Engine(*loaded, max_batch=at_once, prompt_cache_bytes=0)
+    cached = Engine(*loaded, max_batch=at_once, prompt_cache_bytes=1 << 30)
+    assert _run(cached, reqs, at_once=at_once) == _run(plain, reqs, at_once=at_once)
+    c, p = cached.counters, plain.counters
+    assert p.prompt_cache_queries == p.prompt_cache_hits == 0
+    assert p.prompt_tokens_prefilled == p.prompt_tokens
+    assert c.prompt_cache_queries == len(reqs)
+    # One at a time, the first job misses; a burst shares its prefix from the start.
+    assert c.prompt_cache_hits == len(reqs) - (at_once == 1)
+    assert c.prompt_tokens_cached > (len(reqs) - 1) * 400
+    assert c.prompt_tokens_prefilled < p.prompt_tokens_prefilled / 5
+    assert 0 < cached.prompt_cache_bytes <= 1 << 30
+
+
+def test_a_chat_turn_reuses_the_last_turns_prompt_and_reply(loaded):
+    engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
+    first = GenerationRequest(prompt=PREFIX, max_tokens=12)
+    (reply,) = _run(engine, [first], at_once=1)
+    before = engine.counters.prompt_tokens_cached
+    turn = engine.encode(first) + reply + engine.encode(GenerationRequest(prompt=" And then?"))
+    job = Job("turn2", GenerationRequest(prompt="x", max_tokens=6), turn)
+    job.start("exec", engine.new_detokenizer)
+    engine.add([job])
+    while engine.active:
+        engine.step()
+    # The reply's last token was never fed to the model: it is the one token left over.
+    assert engine.counters.prompt_tokens_cached - before >= len(turn) - 20
+    plain = Engine(*loaded, max_batch=4, prompt_cache_bytes=0)
+    again = Job("turn2", GenerationRequest(prompt="x", max_tokens=6), turn)
+    again.start("exec", plain.new_detokenizer)
+    plain.add([again])
+    while plain.active:
+        plain.step()
+    assert job.token_ids == again.token_ids
+
+
+def test_a_tiny_budget_evicts_and_changes_nothing(loaded):
+    reqs = [
+        GenerationRequest(prompt=f"{i} " + PREFIX[: 200 + 40 * i], max_tokens=6) for i in range(5)
+    ]
+    probe = Engine(*loaded, max_batch=1, prompt_cache_bytes=1 << 30)
+    _run(probe, reqs[:1], at_once=1)
+    one = probe.prompt_cache_bytes
+    budget = int(one * 2.5)
+    small = Engine(*loaded, max_batch=1, prompt_cache_bytes=budget)
+    plain = Engine(*loaded, max_batch=1, prompt_cache_bytes=0)
+    twice = reqs + reqs[::-1]  # the second round finds what the budget kept last
+    assert _run(small, twice, at_once=1) == _run(plain, twice, at_once=1)
+    assert 0 < small.prompt_cache_bytes <= budget
+    assert small.prompt_cache is not None and len(small.prompt_cache) <= 2
+    assert 0 < small.counters.prompt_cache_hits < len(reqs)
+
+
+def test_a_removed_row_leaves_no_entry_and_the_next_job_is_right(loaded):
+    engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
+    req = GenerationRequest(prompt=PREFIX + QUESTIONS[0], max_tokens=200)
+    job = Job("canceled", req, engine.encode(req))
+    job.start("exec", engine.new_detokenizer)
+    engine.add([job])
+    for _ in range(3):
+        engine.step()
+    engine.remove([job])
+    assert engine.active == 0 and engine.prompt_cache_bytes == 0
+    short = GenerationRequest(prompt=PREFIX + QUESTIONS[0], max_tokens=8)
+    plain = Engine(*loaded, max_batch=4, prompt_cache_bytes=0)
+    assert _run(engine, [short], at_once=1) == _run(plain, [short], at_once=1)
+
+
+def test_reset_empties_the_cache(loaded):
+    engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
+    _run(engine, _sweep(False, 2), at_once=1)
+    assert engine.prompt_cache_bytes > 0
+    engine.reset()
+    assert engine.prompt_cache_bytes == 0
+    assert _run(engine, _sweep(False, 2), at_once=1) == _run(
+        Engine(*loaded, max_batch=4, prompt_cache_bytes=0), _sweep(False, 2), at_once=1
+    )
+
+
+def test_a_cache_that_cannot_merge_is_a_miss_never_an_error(loaded):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model, _ = loaded
+
+    class Quantized:
+        layers = model.layers
+
+        def make_cache(self):
+            return [QuantizedKVCache() for _ in model.layers]
+
+    pc = PromptCache(Quantized(), 1 << 20)
+    assert not pc.mergeable
+    assert pc.prefill_shared([[1] * 64 + [2], [1] * 64 + [3]]) == 0
+    pc.store([1, 2, 3], Quantized().make_cache())
+    assert pc.fetch([1, 2, 3, 4]) == (None, 0) and pc.nbytes == 0
+
+
+def test_shared_prefixes_group_neighbours():
+    a, b = [1] * 40, [2] * 40
+    assert shared_prefixes([[*a, 5], [*a, 6], [*b, 7]], 32) == [a]
+    assert shared_prefixes([[*a, 5], [*b, 6]], 32) == []
+    assert shared_prefixes([a, a], 32) == [a[:-1]]  # a row keeps a token to prefill
+    assert shared_prefixes([[*a[:20], 5], [*a[:20], 6]], 32) == []
+
+
+# -- through real workers ------------------------------------------------------------
+
+
+def _info_worker(
+    redis_url: str, queue: str, queries: int, key: str = "prompt_cache_queries"
+) -> dict:
+    """The worker's entry in ``mlxq info --json`` once its ``key`` reaches ``queries`` (the
+    worker publishes its counters about once a second)."""
+    deadline = time.monotonic() + 30
+    while True:
+        out = subprocess.run(
+            [sys.executable, "-m", "mlxq.producer.cli", "info", "--json", "--redis-url", redis_url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        ws = [w for w in json.loads(out.stdout)["workers"] if w["queue"] == queue and w["alive"]]
+        if (ws and ws[0].get(key, 0) >= queries) or time.monotonic() > deadline:
+            assert ws, out.stdout
+            return ws[0]
+        time.sleep(0.3)
+
+
+def _submit_all(client: Client, seeded: bool) -> list[list[int]]:
+    out = []
+    for i, q in enumerate(QUESTIONS[:3]):
+        kw = {"temperature": 0.9, "seed": 7 + i} if seeded else {}
+        out.append(client.submit(PREFIX + q, max_tokens=8, **kw).result(timeout=120).token_ids)
+    return out
+
+
+@pytest.mark.e2e
+def test_workers_with_and_without_the_cache_agree_and_count(redis_server, queue_name, start_worker):
+    off_queue = queue_name + "-off"
+    start_worker(queue=off_queue, prompt_cache_bytes=0)
+    start_worker()
+    on, off = Client(redis_server.url, queue=queue_name), Client(redis_server.url, queue=off_queue)
+    for seeded in (False, True):
+        assert _submit_all(on, seeded) == _submit_all(off, seeded)
+    w = _info_worker(redis_server.url, queue_name, 6)
+    assert w["prompt_cache_queries"] == 6
+    assert w["prompt_cache_hits"] == 5  # all but the first
+    assert w["prompt_tokens_cached"] >= 5 * 400
+    assert w["prompt_cache_bytes"] > 0
+    assert w["prompt_tokens_prefilled"] < w["prompt_tokens"] / 3
+    w = _info_worker(redis_server.url, off_queue, 6 * 400, "prompt_tokens")
+    assert w["prompt_cache_queries"] == w["prompt_cache_hits"] == w["prompt_cache_bytes"] == 0
+    assert w["prompt_tokens_prefilled"] == w["prompt_tokens"]
+
+
+@pytest.mark.e2e
+def test_cancel_then_restart_leave_the_cache_sound(redis_server, queue_name, start_worker):
+    off_queue = queue_name + "-off"
+    start_worker(queue=off_queue, prompt_cache_bytes=0)
+    worker = start_worker(window_ms=0)
+    on, off = Client(redis_server.url, queue=queue_name), Client(redis_server.url, queue=off_queue)
+    want = off.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids
+    running = on.submit(PREFIX + QUESTIONS[1], max_tokens=1000, temperature=1.0, seed=3)
+    it = running.stream(timeout=120)
+    next(it)
+    assert running.cancel() is True
+    assert list(it)[-1].finish_reason == "canceled"
+    assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
+    worker.stop()
+    start_worker()  # a new process: its cache starts empty
+    assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
+    w = _info_worker(redis_server.url, queue_name, 1)
+    assert w["prompt_cache_queries"] == 1 and w["prompt_cache_hits"] == 0
+    assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
+    w = _info_worker(redis_server.url, queue_name, 2)
+    assert w["prompt_cache_hits"] == 1
