@@ -1,0 +1,147 @@
+"""What the prompt cache buys an eval sweep: N jobs sharing a long prefix, cache off and on
+side by side in one run, on the worker's own engine (no Redis: prefill is what changes).
+
+Every job is the same prefix of ``--prefix`` random tokens, then ``--suffix`` tokens of
+its own, greedy, ``--max-tokens`` out; the engine admits jobs whenever rows are free, as
+the worker does. Reported per mode: prompt tokens run through the model, wall time, the
+cache's lookups and hits; then the off/on ratios, and whether every job's tokens are the
+same in both modes (they must be).
+
+Usage:
+    python ops/bench_prompt_cache.py                       # tiny model, ~a minute on CPU
+    python ops/bench_prompt_cache.py --jobs 2000 --prefix 1000 --suffix 30 \\
+        --max-tokens 16 --batch 64 --shape 0.5b            # the issue's GPU target
+    python ops/bench_prompt_cache.py --model PATH --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from typing import Any
+
+import mlx_lm
+
+from mlxq.producer.params import GenerationRequest
+from mlxq.worker.engine import Engine
+from mlxq.worker.jobs import Job
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    out = tempfile.mkdtemp(prefix="mlxq-bench-pc-")
+    if args.shape == "tiny-test":
+        from mlxq.worker.tiny import build_tiny_model
+
+        return str(build_tiny_model(out, seed=0))
+    from mlxq.worker.random_model import build_random_model
+
+    return str(build_random_model(out, shape=args.shape))
+
+
+def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    lo = 16  # past the special tokens
+    prefix = [rng.randrange(lo, vocab) for _ in range(args.prefix)]
+    return [
+        prefix + [rng.randrange(lo, vocab) for _ in range(args.suffix)] for _ in range(args.jobs)
+    ]
+
+
+def run(
+    model: Any, tok: Any, prompts: list[list[int]], args: argparse.Namespace, cache_bytes: int
+) -> dict[str, Any]:
+    engine = Engine(model, tok, max_batch=args.batch, prompt_cache_bytes=cache_bytes)
+    req = GenerationRequest(prompt="x", max_tokens=args.max_tokens)
+    jobs = []
+    for i, ids in enumerate(prompts):
+        job = Job(f"j{i}", req, ids)
+        job.start("bench", engine.new_detokenizer)
+        jobs.append(job)
+    pending = list(jobs)
+    t0 = time.perf_counter()
+    while pending or engine.active:
+        if pending and engine.free_slots:
+            n = engine.free_slots
+            engine.add(pending[:n])
+            pending = pending[n:]
+        engine.step()
+    wall = time.perf_counter() - t0
+    c = engine.counters
+    return {
+        "cache_bytes": cache_bytes,
+        "wall_s": round(wall, 3),
+        "prompt_tokens": c.prompt_tokens,
+        "prompt_tokens_prefilled": c.prompt_tokens_prefilled,
+        "prompt_cache_queries": c.prompt_cache_queries,
+        "prompt_cache_hits": c.prompt_cache_hits,
+        "prompt_tokens_cached": c.prompt_tokens_cached,
+        "prompt_cache_bytes_end": engine.prompt_cache_bytes,
+        "tokens_generated": c.tokens_generated,
+        "outputs": [j.token_ids for j in jobs],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="an mlx-lm model directory (default: a random one, --shape)")
+    p.add_argument(
+        "--shape",
+        default="tiny",
+        choices=["tiny-test", "tiny", "0.5b", "1.5b"],
+        help="random model when --model is not given; tiny-test: the test suite's model",
+    )
+    p.add_argument("--jobs", type=int, default=200)
+    p.add_argument("--prefix", type=int, default=500, help="shared prefix tokens")
+    p.add_argument("--suffix", type=int, default=10, help="tokens of each job's own")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--cache-bytes", type=int, default=1 << 30, help="the cached run's budget")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+
+    path = _model_path(args)
+    loaded = mlx_lm.load(path)
+    model, tok = loaded[0], loaded[1]
+    vocab = len(tok.vocab)
+    prompts = _prompts(args, vocab)
+    print(
+        f"model {path}: {args.jobs} jobs, prefix {args.prefix} + {args.suffix} tokens, "
+        f"{args.max_tokens} out, batch {args.batch}"
+    )
+    run(model, tok, prompts[: args.batch], args, 0)  # warm-up: kernels, allocator
+    off = run(model, tok, prompts, args, 0)
+    on = run(model, tok, prompts, args, args.cache_bytes)
+    same = off["outputs"] == on["outputs"]
+    print(f"{'':24}{'cache off':>14}{'cache on':>14}{'off/on':>10}")
+    for key in ("prompt_tokens_prefilled", "wall_s"):
+        ratio = off[key] / on[key] if on[key] else float("inf")
+        print(f"{key:24}{off[key]:>14}{on[key]:>14}{ratio:>9.1f}x")
+    for key in ("prompt_tokens", "prompt_cache_queries", "prompt_cache_hits"):
+        print(f"{key:24}{off[key]:>14}{on[key]:>14}")
+    print(
+        f"{'prompt_tokens_cached':24}{off['prompt_tokens_cached']:>14}{on['prompt_tokens_cached']:>14}"
+    )
+    print(f"{'cache bytes at the end':24}{0:>14}{on['prompt_cache_bytes_end']:>14}")
+    print(f"outputs identical: {same}")
+    if args.json:
+        doc = {
+            "args": vars(args),
+            "model": path,
+            "off": {k: v for k, v in off.items() if k != "outputs"},
+            "on": {k: v for k, v in on.items() if k != "outputs"},
+            "outputs_identical": same,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if not same:
+        raise SystemExit("outputs differ between cache off and on")
+
+
+if __name__ == "__main__":
+    main()
