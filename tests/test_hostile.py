@@ -287,3 +287,117 @@ def test_a_redis_without_persistence_restarting_mid_job(tmp_path, queue_name, st
         assert client.submit("after the restart", max_tokens=3).result(timeout=60).token_ids
     finally:
         server.stop()
+
+
+def _hwm_mb(pid: int) -> float:
+    """The process's peak resident memory so far."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def _until(what, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (value := what()):
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.05)
+    return value
+
+
+def _make_string(r: redis.Redis, key: str) -> None:
+    with r.pipeline() as p:  # one step: a worker never sees the key missing
+        p.delete(key)
+        p.set(key, "x")
+        p.execute()
+
+
+def test_keys_of_running_jobs_made_the_wrong_type_end_those_jobs_alone(
+    redis_server, queue_name, start_worker, r
+):
+    w = start_worker(max_batch=8)
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = _long_jobs(client, 5, tokens=800)
+    results, execs, record, *bystanders = jobs
+    listeners = [Listener(j) for j in bystanders]
+    _wait_running(jobs, 5)
+    _make_string(r, keys.results_key(results.id))
+    _make_string(r, keys.executions_key(execs.id))
+    _make_string(r, keys.job_key(record.id))
+    for lis in listeners:
+        lis.check()  # every write of theirs landed: no gap, text equal to the result
+    for j in (results, execs):
+        assert j.result(timeout=120).finish_reason in ("stop", "length")
+        assert "".join(c.text for c in j.stream(timeout=10)) == j.result().text
+    # Its record was rebuilt by its worker: it ends with the result it made.
+    _until(lambda: r.type(keys.job_key(record.id)) == b"hash")
+    res = record.result(timeout=60)
+    assert res.finish_reason in ("stop", "length")
+    out = w.output()
+    for j in (results, execs, record):
+        assert f"job {j.id}: replaced a key of the wrong type" in out, "said, with the key"
+    assert all(_attempts(r, j) == 1 for j in bystanders)
+    assert client.submit("still serving", max_tokens=3).result(timeout=60).token_ids
+
+
+def test_a_record_made_the_wrong_type_while_queued_fails_that_job_alone(
+    redis_server, queue_name, start_worker, r
+):
+    client = Client(redis_server.url, queue=queue_name)
+    record, junk, good = (client.submit(f"job {k}", max_tokens=4) for k in range(3))
+    _make_string(r, keys.job_key(record.id))
+    r.hset(keys.job_key(junk.id), "data", b"\x00\xc1junk")  # it fails before it starts...
+    _make_string(r, keys.results_key(junk.id))  # ...and its failure record is a string
+    start_worker()
+    assert good.result(timeout=60).token_ids
+    with pytest.raises(JobFailed, match="msgpack"):
+        junk.result(timeout=60)
+    _until(lambda: r.type(keys.job_key(record.id)) == b"hash" and record.status() == "failed")
+    with pytest.raises(JobFailed, match="was a string"):
+        record.result(timeout=10)
+    assert client.submit("still serving", max_tokens=3).result(timeout=60).token_ids
+
+
+def test_a_dead_workers_rogue_records_never_stop_its_reaping(
+    redis_server, queue_name, start_worker, r
+):
+    a = start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = _long_jobs(client, 3, tokens=1900)
+    record, execs, bystander = jobs
+    _wait_running(jobs, 3)
+    a.signal(signal.SIGKILL)
+    a.proc.wait(10)
+    _make_string(r, keys.job_key(record.id))
+    _make_string(r, keys.executions_key(execs.id))
+    start_worker(max_batch=4)
+    for j in (execs, bystander):
+        assert j.result(timeout=120).finish_reason in ("stop", "length")
+    _until(lambda: r.type(keys.job_key(record.id)) == b"hash" and record.status() == "failed")
+    with pytest.raises(JobFailed, match="no job data"):
+        record.result(timeout=10)
+    assert r.llen(keys.wip_key(a.name)) == 0
+
+
+def test_a_claimed_job_canceled_before_it_fails_to_start_ends_canceled(
+    redis_server, queue_name, tmp_path
+):
+    # The worker's own writer, driven step by step: claimed, canceled, then failed before
+    # it starts (its ttl ran out, or it was invalid): cancel() said True, so it ends so.
+    from mlxq.worker.bridge import Bridge, Flush
+    from mlxq.worker.config import WorkerConfig
+
+    client = Client(redis_server.url, queue=queue_name)
+    job = client.submit("never runs", max_tokens=4, ttl=60)
+    bridge = Bridge(WorkerConfig(str(tmp_path), redis_url=redis_server.url, queue=queue_name))
+    bridge.register()
+    try:
+        (claimed,) = bridge.claim(1)
+        assert claimed.verdict == "ok" and claimed.id.decode() == job.id
+        assert job.cancel() is True
+        reply = bridge.commit(Flush(fails=[(job.id, 0, "ttl expired: waited too long")]))
+        assert reply.settled == {job.id: "canceled"}
+        assert job.status() == "canceled"
+        assert [c.finish_reason for c in job.stream(timeout=10)][-1] == "canceled"
+        assert not bridge.wip()
+    finally:
+        bridge.unregister(leave=True)

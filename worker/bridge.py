@@ -116,9 +116,17 @@ class FlushReply:
     ended: dict[str, str] = field(default_factory=dict)  # id -> outcome | refused
     settled: dict[str, str] = field(default_factory=dict)  # failed before start, handed back
     write_problems: list[tuple[str, str]] = field(default_factory=list)
+    #: Keys of a job a script found of the wrong type and replaced: (id, what).
+    healed: list[tuple[str, str]] = field(default_factory=list)
 
 
 _RELEASED = {"requeued": "requeued", "canceled": "canceled"}
+_FAILED = {"failed": "failed", "canceled": "canceled"}
+
+
+def _healed(reply: list[Any], at: int) -> list[tuple[str, str]]:
+    """(id, what) for each entry of a script's reply that says it replaced a key."""
+    return [(_s(e[0]), _s(e[at])) for e in reply if len(e) > at and e[at]]
 
 
 def _now() -> tuple[float, str]:
@@ -283,7 +291,7 @@ class Bridge:
         with self.redis.pipeline(transaction=False) as p:
             for j in job_ids:
                 p.hget(keys.job_key(j), "mlxq_cancel")
-            flags = p.execute()
+            flags = p.execute(raise_on_error=False)  # a rogue record of another type: no flag
         return [j for j, f in zip(job_ids, flags, strict=True) if f == b"1"]
 
     # -- moving jobs (the prefetch thread) ---------------------------------------------
@@ -373,7 +381,7 @@ class Bridge:
             calls.append(
                 (
                     "fail",
-                    [self.k_alive, self.k_wip, self.k_failed],
+                    [self.k_alive, self.k_wip, self.k_failed, self.k_canceled],
                     self._fail_args(f.fails, now_ts, now_str),
                 )
             )
@@ -478,6 +486,7 @@ class Bridge:
             self.config.stream_ttl,
             keys.DEFAULT_FAILURE_TTL,
             keys.MAX_RECORD_TTL,
+            NOTICE,
         ]
         for job_id, attempts, reason in fails:
             exc = _zlib_text(reason)
@@ -508,15 +517,16 @@ class Bridge:
                 ]
             elif name == "start":
                 out.started.update({_s(e[0]): _s(e[1]) for e in reply})
+                out.healed += _healed(reply, 2)
             elif name == "end":
                 for e in reply:
                     out.ended[_s(e[0])] = _s(e[1])
                     if len(e) > 2 and _s(e[2]) not in ("ok", "dup"):
                         out.write_problems.append((_s(e[0]), _s(e[2])))
+                out.healed += _healed(reply, 3)
             elif name == "fail":
-                out.settled.update(
-                    {_s(e[0]): "failed" if e[1] == b"failed" else "dropped" for e in reply}
-                )
+                out.settled.update({_s(e[0]): _FAILED.get(_s(e[1]), "dropped") for e in reply})
+                out.healed += _healed(reply, 2)
             elif name == "release":
                 ids = calls_args[7:]
                 for job_id, what in zip(ids, reply, strict=True):

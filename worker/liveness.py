@@ -158,7 +158,13 @@ class Liveness:
         for other, value in self.bridge.roll():
             if other == self.bridge.name or (value is not None and not process_gone(value)):
                 continue
-            ids = self.bridge.reap(other, value)
+            try:
+                ids = self.bridge.reap(other, value)
+            except TRANSIENT:
+                raise
+            except Exception:  # one dead worker's rogue entry never spares the others
+                log.exception("heartbeat: reaping worker %s failed; going on", other)
+                continue
             if ids is None:
                 continue
             self.reaped_jobs += len(ids)

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from datetime import datetime
 
+import redis
+
 from mlxq.producer.codec import decode_job_data
 from mlxq.producer.connection import TRANSIENT, Outage, backoff
 from mlxq.producer.errors import PayloadError
@@ -177,6 +179,8 @@ class Prefetcher:
                 self._stop.wait(0.2)  # the liveness thread sorts the lease out
             except Exception:
                 log.exception("prefetch: going on after an unexpected error")
+                # A claim that raised may have moved jobs into the WIP list first.
+                self._resync = True
                 self._stop.wait(0.5)
 
     def _need(self) -> int:
@@ -196,7 +200,7 @@ class Prefetcher:
             ]
             self._resync = False
             if stray:
-                self._accept(self.bridge.claim(0, stray))
+                self._accept(self._claim_each(stray))
         need = self._need()
         if need <= 0:
             return
@@ -210,6 +214,23 @@ class Prefetcher:
                 return
             claimed = self.bridge.claim(need - 1, [first])
         self._accept(claimed)
+
+    def _claim_each(self, stray: list[bytes]) -> list[Claimed]:
+        """Claim entries found in the WIP list; should the claim raise (a record of a kind
+        it cannot heal), one by one, and an entry whose own claim raises leaves the list
+        with the reason, so it never blocks the others."""
+        try:
+            return self.bridge.claim(0, stray)
+        except redis.ResponseError as e:
+            log.warning("prefetch: a claim raised (%s); claiming its entries one by one", e)
+        claimed = []
+        for raw in stray:
+            try:
+                claimed += self.bridge.claim(0, [raw])
+            except redis.ResponseError as e:
+                log.error("dropped queue entry %r: its claim raised (%s)", raw[:80], e)
+                self.sink.release("drop", [raw])
+        return claimed
 
     def _accept(self, claimed: list[Claimed]) -> None:
         ready = []
@@ -268,6 +289,7 @@ class Prefetcher:
             "nodata": "its record has no job data",
             "toolarge": f"its job data is too large ({c.detail} bytes)",
             "bad": f"its record holds {c.detail}",
+            "broken": f"{c.detail} (replaced)",
         }
         if c.verdict in reasons:
             self._fail(job_id, c, f"unreadable job record: {reasons[c.verdict]}")

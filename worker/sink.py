@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from mlxq.producer.codec import Chunk
 from mlxq.producer.connection import TRANSIENT, Outage, retry_forever
 from mlxq.worker.bridge import Bridge, End, Flush, FlushReply, LeaseLost
@@ -124,7 +126,7 @@ class Sink:
             stop = None in ops
             try:
                 for batch in self._split([op for op in ops if op is not None]):
-                    self._commit(batch)
+                    self._commit_or_split(batch)
             except _Stop:
                 return
             except Exception:  # a bug, not Redis: say so, drop this batch, keep writing
@@ -143,6 +145,58 @@ class Sink:
             if op.kind == "start":
                 batches.append([])
         return [b for b in batches if b]
+
+    def _commit_or_split(self, ops: list[_Op]) -> None:
+        """Commit a batch; when a script raises (a job's key of a kind it could not heal),
+        commit its jobs one by one, so only the job whose writes raise loses them."""
+        try:
+            self._commit(ops)
+            return
+        except redis.ResponseError as e:
+            if len({j for op in ops for j in op.job_ids}) <= 1:
+                self._give_up(ops, e)
+                return
+            log.warning("writer: a write raised (%s); writing its jobs one by one", e)
+        for one in self._per_job(ops):
+            try:
+                self._commit(one)
+            except redis.ResponseError as e:
+                self._give_up(one, e)
+
+    @staticmethod
+    def _per_job(ops: list[_Op]) -> list[list[_Op]]:
+        """The same writes as one batch per job, each job's in their order (the scripts
+        are idempotent: what a raising call wrote before it raised is written again)."""
+        per: dict[str, list[_Op]] = {}
+        for op in ops:
+            if op.kind in ("chunks", "start"):
+                for entry in op.payload:
+                    per.setdefault(entry[0], []).append(
+                        _Op(op.epoch, op.kind, (entry[0],), [entry])
+                    )
+            elif op.kind == "release":
+                mode, ids = op.payload
+                for raw in ids:
+                    per.setdefault(str(raw), []).append(
+                        _Op(op.epoch, op.kind, (str(raw),), (mode, [raw]))
+                    )
+            else:
+                per.setdefault(op.job_ids[0], []).append(op)
+        return list(per.values())
+
+    def _give_up(self, ops: list[_Op], error: Exception) -> None:
+        """One job's writes keep raising: drop them with the reason, and tell the decode
+        loop, so the job leaves this worker (it fails if it still runs)."""
+        for op in ops:
+            for job_id in op.job_ids:
+                log.error("job %s: its %s write raised (%s); dropped", job_id, op.kind, error)
+                if op.kind == "chunks":
+                    self.inbox.put(("write_failed", (job_id, f"{type(error).__name__}: {error}")))
+                elif op.kind == "start":
+                    self._void[job_id] = None
+                    self.inbox.put(("started", {job_id: "refused"}))
+                else:
+                    self.inbox.put(("settled", {job_id: "dropped"}))
 
     def _flush_of(self, ops: list[_Op]) -> Flush:
         f = Flush()
@@ -203,6 +257,8 @@ class Sink:
             self.inbox.put(("ended", reply.ended))
         if reply.settled:
             self.inbox.put(("settled", reply.settled))
+        for job_id, what in reply.healed:
+            log.warning("job %s: replaced a key of the wrong type: %s", job_id, what)
         for problem in reply.write_problems:
             log.warning("job %s: replay log write: %s", *problem)
             if problem[1] != "healed":

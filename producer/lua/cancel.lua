@@ -5,6 +5,8 @@
 -- Returns 'nosuch' | 'ended' | 'canceled' | 'requested'.
 local id = ARGV[1]
 local jk = jkey(id)
+local t = redis.call('TYPE', jk)['ok']
+if t ~= 'hash' then return 'nosuch' end  -- none, or a rogue key of another type: no job
 local f = redis.call('HMGET', jk, 'status', 'origin', 'mlxq_owner', 'failure_ttl')
 local status, origin, owner = f[1], f[2] or '', f[3] or ''
 if not status then return 'nosuch' end  -- HMGET gives false for a missing field

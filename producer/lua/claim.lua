@@ -7,6 +7,7 @@
 -- was handed goes back to the queue's front), else one entry per id:
 --   {id, 'ok', data, attempt, clean, enqueued_at} | {id, 'dup', status} | {id, 'missing'}
 --   | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes} | {id, 'bad', field=value}
+--   | {id, 'broken', what} (its record was no hash: rebuilt as this worker's, to fail)
 --   | {id, 'oom'} (not claimed: Redis refused the write).
 local queue, wip, alive, canceled = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
@@ -29,10 +30,16 @@ end
 local out = {}
 for _, id in ipairs(ids) do
   local jk = jkey(id)
-  local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_clean',
-                       'mlxq_cancel', 'enqueued_at', 'failure_ttl')
+  local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker}, nil)
+  local f = {}
+  if record == 'ok' then
+    f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_clean',
+                   'mlxq_cancel', 'enqueued_at', 'failure_ttl')
+  end
   local status, owner = f[1], f[2] or ''
-  if status == nil then
+  if record == 'rebuilt' then
+    out[#out + 1] = {id, 'broken', note}  -- this worker's now, to fail by that reason
+  elseif not status then  -- no record (HMGET gives false for a missing field), or foreign
     redis.call('LREM', wip, 1, id)
     out[#out + 1] = {id, 'missing'}
   elseif status ~= 'queued' or (owner ~= '' and owner ~= worker) then

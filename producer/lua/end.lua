@@ -5,7 +5,8 @@
 --       max ttl, then per job: id, outcome (finished|failed|canceled), execution id,
 --       value (rq result field: base64 return value, or base64 zlib failure text),
 --       exc_info (zlib failure text for the job hash), started_ts, seq, chunk, canceled chunk
--- Returns {'lease'} | {'oom'} | per job {id, outcome as recorded, chunk write} or
+-- Returns {'lease'} | {'oom'} | per job {id, outcome as recorded, chunk write, what was
+--   replaced ('' for nothing; see heal)} or
 --   {id, 'refused'} (not this worker's any more: nothing written).
 local alive, started, rq_worker, worker_execs, wip, finished, failed, canceled =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
@@ -21,11 +22,16 @@ for i = 9, #ARGV, 9 do
     ARGV[i + 4]
   local started_ts, seq, chunk = ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
   local jk = jkey(id)
-  local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_exec',
-                       'result_ttl', 'failure_ttl')
+  local note, record = heal(id, wip, {'status', 'started', 'mlxq_owner', worker,
+                                      'mlxq_exec', exec}, exec)
+  local f = {}
+  if record ~= 'foreign' then
+    f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_exec',
+                   'result_ttl', 'failure_ttl')
+  end
   local status, owner = f[1], f[2] or ''
   if f[4] == exec and owner == worker and TERMINAL[status] then
-    out[#out + 1] = {id, status, 'dup'}  -- a retried end whose first reply was lost
+    out[#out + 1] = {id, status, 'dup', note}  -- a retried end whose first reply was lost
   elseif owner ~= worker or status ~= 'started' or f[4] ~= exec then
     if owner ~= worker then redis.call('LREM', wip, 1, id) end
     out[#out + 1] = {id, 'refused'}
@@ -61,7 +67,7 @@ for i = 9, #ARGV, 9 do
     end
     local how = write_chunk(id, seq, chunk, stream_ttl, true)
     redis.call('LREM', wip, 1, id)
-    out[#out + 1] = {id, outcome, how}
+    out[#out + 1] = {id, outcome, how, note}
   end
 end
 if n_ok > 0 then redis.call('HINCRBY', rq_worker, 'successful_job_count', n_ok) end

@@ -23,6 +23,41 @@ local function record_ttl(v, default, cap)
   return math.floor(n)
 end
 
+-- A job's keys made the wrong type (a rogue SET) make every write to them raise, and a
+-- script that raises drops the writes of every other job it carries. So a script looks at
+-- a job's keys before it writes them: its result log, execution index and execution of
+-- another type are deleted; its record, when it is no hash, is rebuilt from ``fields``,
+-- but only for a job in ``wip`` (this worker's; ``wip`` nil: never). Returns what was
+-- replaced ('' for nothing) and the record's state: 'ok', 'rebuilt' or 'foreign' (no hash
+-- and not this worker's to rebuild: the caller must not touch it).
+local function heal(id, wip, fields, exec)
+  local notes = {}
+  local function check(k, want)
+    local t = redis.call('TYPE', k)['ok']
+    if t ~= want and t ~= 'none' then
+      redis.call('DEL', k)
+      notes[#notes + 1] = k .. ' was a ' .. t
+    end
+  end
+  check(K_RESULTS .. id, 'stream')
+  check(K_EXECUTIONS .. id, 'zset')
+  if exec ~= nil and exec ~= '' then check(K_EXECUTION .. id .. ':' .. exec, 'hash') end
+  local jk = jkey(id)
+  local t = redis.call('TYPE', jk)['ok']
+  local record = 'ok'
+  if t ~= 'hash' and t ~= 'none' then
+    if wip ~= nil and redis.call('LPOS', wip, id) then
+      redis.call('DEL', jk)
+      redis.call('HSET', jk, unpack(fields))
+      notes[#notes + 1] = 'its record ' .. jk .. ' was a ' .. t
+      record = 'rebuilt'
+    else
+      record = 'foreign'
+    end
+  end
+  return table.concat(notes, '; '), record
+end
+
 -- Close a job's rq execution: its hash, its registry entries and the worker's index.
 local function end_execution(id, exec, started, worker_execs)
   if exec == nil or exec == '' then return end
@@ -78,6 +113,11 @@ end
 -- 'skipped' (not the caller's, or already gone from ``wip``) or 'ended'.
 local function requeue_one(id, c, owns, clean)
   local jk = jkey(id)
+  local _, record = heal(id, c.wip, {'status', 'queued'}, nil)
+  if record == 'foreign' then
+    redis.call('LREM', c.wip, 1, id)
+    return 'skipped'
+  end
   local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_exec',
                        'failure_ttl')
   local status, owner = f[1], f[2] or ''

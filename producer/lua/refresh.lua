@@ -5,6 +5,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'lease' end
 local now_ts, now_str, ttl = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 for i = 5, #ARGV, 2 do
   local id, exec = ARGV[i], ARGV[i + 1]
+  heal(id, nil, nil, exec)
   local composite = id .. ':' .. exec
   redis.call('ZADD', KEYS[2], 'XX', now_ts + ttl, composite)
   redis.call('ZADD', K_EXECUTIONS .. id, 'XX', now_ts + ttl + 60, exec)

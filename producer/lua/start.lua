@@ -2,7 +2,8 @@
 -- KEYS: alive, started registry, rq worker key, rq worker executions, wip, canceled registry
 -- ARGV: token, worker, now_ts, now_str, ttl, failure_ttl_cap, notice,
 --       then per job: id, attempts before this start, execution id
--- Returns {'lease'} | {'oom'} | one entry per job: {id, 'ok'} | {id, 'canceled'}
+-- Returns {'lease'} | {'oom'} | one entry per job: {id, 'ok', what was replaced ('' for
+--   nothing; see heal)} | {id, 'canceled'}
 --   | {id, 'refused', why} (no longer this worker's to start: it must drop the job).
 local alive, started, rq_worker, worker_execs, wip, canceled =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -15,11 +16,16 @@ local out = {}
 for i = 8, #ARGV, 3 do
   local id, before, exec = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
   local jk = jkey(id)
-  local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_cancel',
-                       'mlxq_exec', 'failure_ttl')
+  local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker,
+                                      'mlxq_attempt', ARGV[i + 1]}, exec)
+  local f = {}
+  if record ~= 'foreign' then
+    f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_cancel',
+                   'mlxq_exec', 'failure_ttl')
+  end
   local status, owner = f[1], f[2] or ''
   if status == 'started' and owner == worker and f[5] == exec then
-    out[#out + 1] = {id, 'ok'}  -- a retried start whose first reply was lost
+    out[#out + 1] = {id, 'ok', note}  -- a retried start whose first reply was lost
   elseif owner ~= worker or status ~= 'queued' or (tonumber(f[3] or '0') ~= before) then
     if owner ~= worker then redis.call('LREM', wip, 1, id) end
     out[#out + 1] = {id, 'refused', 'status=' .. tostring(status) .. ' owner=' .. owner}
@@ -50,7 +56,7 @@ for i = 8, #ARGV, 3 do
       local t = redis.call('TYPE', stream)['ok']
       if t ~= 'stream' and t ~= 'none' then redis.call('DEL', stream) end
     end
-    out[#out + 1] = {id, 'ok'}
+    out[#out + 1] = {id, 'ok', note}
   end
 end
 redis.call('EXPIRE', worker_execs, ttl + 60)
