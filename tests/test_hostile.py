@@ -401,3 +401,20 @@ def test_a_claimed_job_canceled_before_it_fails_to_start_ends_canceled(
         assert not bridge.wip()
     finally:
         bridge.unregister(leave=True)
+
+
+def test_the_registry_sweep_never_inflates_a_bomb(redis_server, queue_name, start_worker, r):
+    client = Client(redis_server.url, queue=queue_name)
+    (bomb,) = _long_jobs(client, 1, tokens=3)
+    r.lrem(keys.queue_key(queue_name), 0, bomb.id)  # as if a vanished worker ran it
+    r.hset(
+        keys.job_key(bomb.id),
+        mapping={"status": "started", "exc_info": zlib.compress(b"\0" * (512 << 20))},
+    )
+    started = keys.started_registry(queue_name)
+    r.zadd(started, {f"{bomb.id}:deadbeef": 1})  # expired long ago: the sweep's to clean
+    w = start_worker()  # its first heartbeat sweeps
+    _until(lambda: r.zcard(started) == 0)
+    assert _hwm_mb(w.proc.pid) < 500, "nothing was inflated"
+    assert f"sweep: skipped job {bomb.id}" in w.output()
+    assert client.submit("still serving", max_tokens=3).result(timeout=60).token_ids

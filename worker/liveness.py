@@ -22,8 +22,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rq.registry import clean_registries
-
 from mlxq.producer.connection import TRANSIENT, Outage
 from mlxq.worker.bridge import Bridge
 
@@ -193,4 +191,4 @@ class Liveness:
 
     def _sweep(self) -> None:
         if self._due("sweep", SWEEP_S):
-            clean_registries(self.bridge.rq_queue)
+            self.bridge.sweep()
