@@ -235,21 +235,25 @@ def test_a_log_outlives_a_job_that_runs_past_its_ttl(redis_server, queue_name, s
 
 
 def test_writes_refused_for_memory_are_retried_in_order(redis_server, queue_name, start_worker, r):
-    start_worker(max_batch=4)
+    w = start_worker(max_batch=4)
     client = Client(redis_server.url, queue=queue_name)
     jobs = _long_jobs(client, 2, tokens=1500)
     listeners = [Listener(j) for j in jobs]
     _wait_running(jobs, 2)
-    used = int(r.info("memory")["used_memory"])
+    refused = "writer: redis unavailable"
+    assert refused not in w.output()
     try:
         r.config_set("maxmemory-policy", "noeviction")
-        r.config_set("maxmemory", used + 64 * 1024)
-        time.sleep(3)
+        r.config_set("maxmemory", 1)  # past it already: every write that adds is refused
+        # Proof that the worker's writes were refused, not merely that memory was tight.
+        _until(lambda: refused in (out := w.output()) and "memory" in out, timeout=30)
+        assert all(j.status() == "started" for j in jobs), "refused while they ran"
     finally:
         r.config_set("maxmemory", 0)
     for lis in listeners:
         lis.check()  # no gap, no duplicate, text equal to the result
     assert all(_attempts(r, j) == 1 for j in jobs), "nobody reaped the worker meanwhile"
+    assert "writer: redis back after" in w.output(), "the refused writes went through later"
 
 
 def test_a_redis_without_persistence_restarting_mid_job(tmp_path, queue_name, start_worker):
@@ -418,3 +422,25 @@ def test_the_registry_sweep_never_inflates_a_bomb(redis_server, queue_name, star
     assert _hwm_mb(w.proc.pid) < 500, "nothing was inflated"
     assert f"sweep: skipped job {bomb.id}" in w.output()
     assert client.submit("still serving", max_tokens=3).result(timeout=60).token_ids
+
+
+def test_prompts_past_the_workers_cap_fail_by_reason_while_a_job_decodes(
+    redis_server, queue_name, start_worker
+):
+    from mlxq.producer.params import MAX_PROMPT_CHARS
+
+    start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    with pytest.raises(ValueError, match="prompt"):
+        client.submit("x" * (MAX_PROMPT_CHARS + 1), max_tokens=3)
+    (running,) = _long_jobs(client, 1, tokens=1900)
+    listener = Listener(running)
+    _wait_running([running], 1)
+    # Under the client's cap, far over what the tiny model's context (2048 tokens) can hold.
+    huge = [client.submit("y" * 300_000 + str(i), max_tokens=3) for i in range(3)]
+    for j in huge:
+        with pytest.raises(JobFailed, match="characters, more than this model's context"):
+            j.result(timeout=60)
+    assert running.status() == "started", "it kept decoding meanwhile"
+    assert running.result(timeout=120).finish_reason in ("stop", "length")
+    listener.check()
