@@ -240,3 +240,34 @@ def test_cancel_then_restart_leave_the_cache_sound(redis_server, queue_name, sta
     assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
     w = _info_worker(redis_server.url, queue_name, 2)
     assert w["prompt_cache_hits"] == 1
+
+
+@pytest.mark.e2e
+def test_prometheus_counts_the_prefix_cache(redis_server, queue_name, start_worker):
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    start_worker(metrics_port=port, metrics_host="127.0.0.1")
+    client = Client(redis_server.url, queue=queue_name)
+    for q in QUESTIONS[:2]:
+        client.submit(PREFIX + q, max_tokens=4).result(timeout=120)
+
+    def scrape() -> dict[str, float]:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as res:
+            text = res.read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    deadline = time.monotonic() + 30
+    while (m := scrape()).get("mlxq_prefix_cache_queries_total", 0) < 2:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.3)
+    assert m["mlxq_prefix_cache_hits_total"] == 1
+    assert m["mlxq_prefix_cache_tokens_total"] >= 400
+    assert m["mlxq_prefix_cache_bytes"] > 0
+    assert m["mlxq_prompt_tokens_prefilled_total"] < m["mlxq_prompt_tokens_total"]
