@@ -33,6 +33,8 @@ RESYNC = b"mlxq:resync"
 #: How long a new subscription waits for Redis to confirm it before going on anyway
 #: (the stream then relies on reading its log, as during an outage).
 CONFIRM_S = 5.0
+#: Longest wait for the async reader to stop: a little more than one read timeout (1 s).
+CLOSE_S = 2.0
 
 
 def _wake_channel() -> str:
@@ -199,6 +201,7 @@ class AsyncSubscriber:
         self._changed: set[str] = set()
         self._wake = _wake_channel()
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
         self._outage = Outage(log, "stream subscriber")
 
     async def subscribe(self, channel: str) -> AsyncSubscription:
@@ -208,7 +211,7 @@ class AsyncSubscriber:
             sub.ready.set()
             return sub
         self._changed.add(channel)
-        if self._task is None or self._task.done():
+        if (self._task is None or self._task.done()) and not self._closed:
             self._task = asyncio.create_task(self._run())
         await self._nudge()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -225,10 +228,16 @@ class AsyncSubscriber:
                 await self._nudge()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        # The flag ends the reader within one read timeout even where the cancel is lost: a
+        # cancel that lands inside redis-py's read can come out as a connection error, which
+        # the reader would treat as an outage and retry for ever.
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=CLOSE_S)
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not log it as lost
 
     async def _nudge(self) -> None:
         with contextlib.suppress(*TRANSIENT):
@@ -236,12 +245,12 @@ class AsyncSubscriber:
 
     async def _run(self) -> None:
         failures = 0
-        while True:
+        while not self._closed:
             pubsub = self.redis.pubsub()
             try:
                 await pubsub.subscribe(self._wake)
                 self._changed = set(self._subs)
-                while True:
+                while not self._closed:
                     await self._apply(pubsub)
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None:
