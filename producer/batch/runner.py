@@ -303,11 +303,12 @@ class Sweep:
         return records.failure(cid, job_id, reason)
 
     def _pace(self, ended: int) -> None:
-        # Aim for a poll to find a quarter of the window ended.
+        # Aim for a poll to find a quarter of what is in flight ended: a quarter of the window
+        # while it is full, less in the sweep's tail, so the last answers are not read late.
         now = time.monotonic()
         dt, self._polled = max(now - self._polled, 1e-3), now
         self._rate = 0.7 * self._rate + 0.3 * (ended / dt)
-        target = max(1, self.cfg.max_in_flight // 4)
+        target = max(1, min(self.cfg.max_in_flight, len(self.flights)) // 4)
         wait = target / self._rate if self._rate > 0 else MAX_POLL_S
         self.poll_s = min(MAX_POLL_S, max(MIN_POLL_S, wait))
 
