@@ -34,7 +34,7 @@ from rq.registry import StartedJobRegistry, clean_registries
 
 from mlxq.producer import Client, Job, JobFailed
 from mlxq.producer.codec import MsgpackSerializer
-from mlxq.producer.keys import JOB_FUNC, alive_key, cancel_set, wip_key
+from mlxq.producer.keys import JOB_FUNC, alive_key, wip_key
 
 QUEUE = "soak"
 MAX_BATCH = 32
@@ -576,11 +576,15 @@ class Soak:
             ttls = p.execute()
         prefix = [":".join(k.split(":")[:2]) for k in names]
         forever = Counter(p for p, ttl in zip(prefix, ttls, strict=True) if ttl == -1)
-        cancels = self.c.r.scard(cancel_set(QUEUE))
+        flagged = sum(
+            1
+            for k in self.c.r.scan_iter(match="rq:job:*", count=1000)
+            if self.c.r.hget(k, "mlxq_cancel") is not None
+        )
         return [
             ("keys left after TTLs", f"{len(names)} {dict(Counter(prefix).most_common())}"),
             ("of which without a TTL", f"{forever.total()} {dict(forever.most_common())}"),
-            ("ids left in the cancel set", cancels),
+            ("job records left with a cancel flag", flagged),
         ]
 
 
