@@ -3,17 +3,26 @@
 Starts its own redis-server (AOF, so a restart keeps every job), the tiny model and real
 `mlxq worker` processes, then submits N short jobs at a steady pace while faults are injected:
 kill -9 and SIGTERM of workers, a Redis restart, dropped client connections, cancels, and
-poison jobs written straight to Redis. Listeners follow a sample of streams. Every job must
-end finished, failed with a reason, or canceled; no listener may see a chunk twice or a text
-that differs from the result; Redis memory and worker RSS are printed before, midway and
-after the TTLs expire. Exits 1 when a check fails (the temp dir with the logs is kept).
+poison jobs written straight to Redis; and the hostile entries of issue 8: valid jobs whose
+other keys are poisoned, ids that are not UTF-8 on the queue, forged cancel and channel
+messages and a forged log entry, a worker frozen (SIGSTOP) past its lease while another
+runs, the same id queued twice, cancels racing the ends of jobs, and Redis at maxmemory
+(noeviction) for a few seconds. Listeners follow a sample of streams; each worker's decode
+steps are scraped from its metrics port every 0.2 s. Every job must end exactly once,
+finished, failed with a reason, or canceled; no listener may see a chunk twice or a text
+that differs from the result; no worker may go a second without a decode step while it has
+jobs running (the one deliberately frozen excepted); Redis memory and worker RSS are
+printed before, midway and after the TTLs expire. Exits 1 when a check fails (the temp dir
+with the logs is kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import random
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +45,17 @@ from rq.registry import StartedJobRegistry, clean_registries
 
 from mlxq.producer import Client, Job, JobFailed
 from mlxq.producer.codec import MsgpackSerializer
-from mlxq.producer.keys import JOB_FUNC, alive_key, wip_key
+from mlxq.producer.keys import (
+    JOB_FUNC,
+    alive_key,
+    cancel_channel,
+    channel,
+    job_key,
+    queue_key,
+    results_key,
+    stream_key,
+    wip_key,
+)
 
 QUEUE = "soak"
 MAX_BATCH = 32
@@ -73,8 +94,13 @@ class Tally:
     """What the soak saw; written by the submitter, poller, listener and fault threads."""
 
     faults: Counter[str] = field(default_factory=Counter)
-    kind: dict[str, str] = field(default_factory=dict)  # job id -> soak | burst | poison
+    # job id -> soak | burst | poison | poisoned (a valid job with a rogue key) | race
+    kind: dict[str, str] = field(default_factory=dict)
     final: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (status, reason)
+    watch: set[str] = field(default_factory=set)  # ended jobs whose records still live
+    ended_twice: dict[str, str] = field(default_factory=dict)  # id -> what was seen
+    # poisoned job id -> (what was done, the ends allowed, a failure reason must contain)
+    expect: dict[str, tuple[str, tuple[str, ...], str]] = field(default_factory=dict)
     poison_started: int = 0  # poison jobs that reached the engine (must be 0)
     submit_retries: int = 0
     listened: set[str] = field(default_factory=set)
@@ -83,6 +109,13 @@ class Tally:
     duplicates: int = 0
     mismatches: int = 0
     cancel_asked: dict[str, str] = field(default_factory=dict)  # id -> status when asked
+    # id -> (which fault asked, what cancel() said): True must end canceled, False not
+    cancel_said: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    stalls: list[str] = field(default_factory=list)
+    stall_samples: int = 0
+    busy_samples: int = 0  # scrapes that found jobs running
+    longest_gap: float = 0.0  # the longest stretch without a decode step (upper bound)
+    stray: list[str] = field(default_factory=list)  # rogue ids still in a list at the end
     sigterm_rcs: list[int] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
     unexpected_exits: list[str] = field(default_factory=list)
@@ -90,16 +123,36 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def refused(e: Exception) -> bool:
+    """A write Redis refused for memory (maxmemory with noeviction: we cause that too)."""
+    return isinstance(
+        e,
+        (
+            redis.ConnectionError,
+            redis.TimeoutError,
+            redis.exceptions.OutOfMemoryError,
+            redis.exceptions.ExecAbortError,  # a MULTI with a refused command in it
+        ),
+    ) or (isinstance(e, redis.ResponseError) and "maxmemory" in str(e))
+
+
 def retry(fn: Callable[[], Any], within: float = 60) -> Any:
-    """Call fn, riding out a Redis restart or a killed connection (we cause both)."""
+    """Call fn, riding out a Redis restart, a killed connection or a refused write (we
+    cause all three)."""
     deadline = time.monotonic() + within
     while True:
         try:
             return fn()
-        except (redis.ConnectionError, redis.TimeoutError):
-            if time.monotonic() > deadline:
+        except redis.RedisError as e:
+            if not refused(e) or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def rss_mib(pid: int) -> int:
@@ -114,13 +167,12 @@ class Cluster:
 
     def __init__(self, work: Path, grace_s: float, stream_ttl: int) -> None:
         self.work, self.grace_s, self.stream_ttl = work, grace_s, stream_ttl
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.r = redis.Redis.from_url(self.url)
         self.redis_proc: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.ports: dict[str, int] = {}  # each worker's metrics port
         self.names = (f"soak-w{i}" for i in itertools.count())
         self.model = work / "tiny"
 
@@ -154,6 +206,7 @@ class Cluster:
 
     def start_worker(self) -> str:
         name = next(self.names)
+        self.ports[name] = free_port()
         self.workers[name] = subprocess.Popen(
             [
                 MLXQ,
@@ -174,6 +227,10 @@ class Cluster:
                 str(self.stream_ttl),
                 "--name",
                 name,
+                "--metrics-port",
+                str(self.ports[name]),
+                "--metrics-host",
+                "127.0.0.1",
             ],
             stdout=(self.work / f"{name}.log").open("wb"),
             stderr=subprocess.STDOUT,
@@ -213,6 +270,20 @@ class Cluster:
         self.stop_redis()
 
 
+def scrape(port: int) -> tuple[int, int] | None:
+    """A worker's (decode steps, jobs running) from its metrics port; None if it is down."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    steps = re.search(r"^mlxq_decode_steps_total (\S+)$", text, re.M)
+    running = re.search(r"^mlxq_num_requests_running (\S+)$", text, re.M)
+    if steps is None or running is None:
+        return None
+    return int(float(steps.group(1))), int(float(running.group(1)))
+
+
 def job_kwargs(k: int) -> dict[str, Any]:
     """Job k of the soak: one of five sampling groups, a varied prompt, 8-24 tokens."""
     rng = random.Random(k)
@@ -230,6 +301,11 @@ class Soak:
         self.client = Client(cluster.url, QUEUE, result_ttl=args.ttl, failure_ttl=args.ttl)
         self.listeners: list[threading.Thread] = []
         self.witness = ""  # the worker no fault touches
+        self.doing = "no fault"  # the fault in progress, for the stall log
+        self.excused: dict[str, float] = {}  # worker -> stalls before this time are ours
+        self.serial = itertools.count()
+        self.submitted = 0  # soak jobs the submitter queued: all of --jobs, or a failure
+        self.rogue_ids: set[bytes] = set()
         self.t0 = time.monotonic()
 
     def say(self, msg: str) -> None:
@@ -241,8 +317,9 @@ class Soak:
         def attempt() -> list[Job]:
             try:
                 return self.client.submit_many(kws)
-            except (redis.ConnectionError, redis.TimeoutError):
-                self.t.submit_retries += 1  # Redis is restarting: send the batch again
+            except redis.RedisError as e:
+                if refused(e):  # Redis is restarting or full: send the batch again
+                    self.t.submit_retries += 1
                 raise
 
         jobs: list[Job] = retry(attempt)
@@ -257,6 +334,7 @@ class Soak:
             time.sleep(max(0.0, t0 + start * self.args.submit_s / n - time.monotonic()))
             kws = [job_kwargs(k) for k in range(start, min(n, start + batch))]
             for k, job in enumerate(self.submit(kws, "soak"), start):
+                self.submitted += 1
                 if k % 10 == 0:  # a sample of listeners; faults add the jobs they hit
                     self.listen(job.id)
             if start + batch >= n // 2 and not half.is_set():
@@ -308,32 +386,103 @@ class Soak:
         return len(held)
 
     def poll(self, stop: threading.Event) -> None:
-        """Catch each job's terminal status before its record expires (--ttl)."""
+        """Catch each job's terminal status before its record expires (--ttl), then keep
+        watching the ended ones while their records live: a second end shows as a status
+        that changes or a second entry in rq's result log."""
         while not stop.wait(0.5):
-            with self.t.lock:
-                ids = [i for i in self.t.kind if i not in self.t.final]
-            try:
-                for i in range(0, len(ids), 500):
-                    self.record(ids[i : i + 500])
-            except (redis.ConnectionError, redis.TimeoutError):
-                pass  # Redis is restarting: the next pass catches up
-            except Exception as e:
-                self.say(f"poller: {e!r}")
+            self.poll_once()
+
+    def poll_once(self) -> None:
+        with self.t.lock:
+            ids = [i for i in self.t.kind if i not in self.t.final]
+            ended = list(self.t.watch)
+        try:
+            for i in range(0, len(ids), 500):
+                self.record(ids[i : i + 500])
+            for i in range(0, len(ended), 500):
+                self.recheck(ended[i : i + 500])
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # Redis is restarting: the next pass catches up
+        except Exception as e:
+            self.say(f"poller: {e!r}")
 
     def record(self, ids: list[str]) -> None:
         with self.c.r.pipeline(transaction=False) as p:
             for i in ids:
-                p.hmget(f"rq:job:{i}", "status", "mlxq_attempt")
-            rows = p.execute()
-        for job_id, (status, attempt) in zip(ids, rows, strict=True):
+                p.hmget(job_key(i), "status", "mlxq_attempt")
+                p.xlen(results_key(i))
+            rows = p.execute(raise_on_error=False)
+        for k, job_id in enumerate(ids):
+            (status, attempt), n = rows[2 * k], rows[2 * k + 1]
             st = (status or b"vanished").decode()
             if st not in (*TERMINAL, "vanished"):
                 continue
             reason = Job(self.client, job_id).failure_reason() if st == "failed" else ""
             with self.t.lock:
                 self.t.final[job_id] = (st, reason)
+                if st != "vanished":
+                    self.t.watch.add(job_id)
+                if isinstance(n, int) and n > 1:
+                    self.t.ended_twice[job_id] = f"{st} with {n} results"
                 if self.t.kind[job_id] == "poison" and attempt is not None:
                     self.t.poison_started += 1
+
+    def recheck(self, ids: list[str]) -> None:
+        with self.c.r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hget(job_key(i), "status")
+                p.xlen(results_key(i))
+            rows = p.execute(raise_on_error=False)
+        for k, job_id in enumerate(ids):
+            status, n = rows[2 * k], rows[2 * k + 1]
+            first = self.t.final[job_id][0]
+            with self.t.lock:
+                if status is None:
+                    self.t.watch.discard(job_id)  # expired: nothing more to see
+                elif status.decode() != first or (isinstance(n, int) and n > 1):
+                    seen = f"ended {first}, then {status.decode()} with {n} results"
+                    if self.t.ended_twice.get(job_id) != seen:
+                        self.say(f"ENDED TWICE {job_id}: {seen}")
+                    self.t.ended_twice[job_id] = seen
+
+    # -- worker progress ---------------------------------------------------------------
+
+    def monitor(self, stop: threading.Event) -> None:
+        """Scrape each worker's decode-step counter every 0.2 s; a stretch of more than a
+        second with jobs running and no step is a stall. Conservative: the stretch runs
+        from the reply of the first scrape that saw the count to the request of the last
+        one that saw it unchanged, so slow scrapes never make a stall. The longest stretch
+        measured the other way (request of the first to reply of the one that saw it move)
+        is printed too: an upper bound, scrape delays included."""
+        runs: dict[str, tuple[float, float, float, int]] = {}  # since back, sent; last; steps
+        while not stop.wait(0.2):
+            for name, port in list(self.c.ports.items()):
+                if name not in self.c.workers or time.monotonic() < self.excused.get(name, 0):
+                    runs.pop(name, None)  # gone, or frozen on purpose (or just woken)
+                    continue
+                sent = time.monotonic()
+                got = scrape(port)
+                back = time.monotonic()
+                run = runs.pop(name, None)
+                if run is not None and got is not None and got[0] == run[3] and got[1] > 0:
+                    runs[name] = (run[0], run[1], sent, run[3])  # still no step
+                    continue
+                if run is not None:
+                    moved = got is not None and got[0] != run[3]
+                    self.note_gap(name, run[0], run[2] - run[0], back - run[1] if moved else 0)
+                if got is None:
+                    continue  # down (killed, or not serving yet)
+                self.t.stall_samples += 1
+                if got[1] > 0:  # jobs running: a stretch starts at this count
+                    self.t.busy_samples += 1
+                    runs[name] = (back, sent, back, got[0])
+
+    def note_gap(self, name: str, since: float, gap: float, upper: float) -> None:
+        self.t.longest_gap = max(self.t.longest_gap, upper)
+        if gap > 1.0:
+            msg = f"{name} no decode step for {gap:.1f}s from t={since - self.t0:.1f}s"
+            self.say(f"STALL {msg} ({self.doing})")
+            self.t.stalls.append(f"{msg} ({self.doing})")
 
     # -- faults ------------------------------------------------------------------------
 
@@ -398,6 +547,7 @@ class Soak:
             if st in ("started", "queued") and picked[st] < 5 and retry(j.cancel):
                 picked[st] += 1
                 self.t.cancel_asked[j.id] = st
+                self.t.cancel_said[j.id] = ("cancel_sample", True)
         return f"canceled {picked['started']} running and {picked['queued']} queued jobs"
 
     def poison(self) -> str:
@@ -419,13 +569,215 @@ class Soak:
             p.hset(job.key, "data", b"\xc1\xff\x00garbage")
             p.execute()
         ids.append(job.id)
+        bare = mq.create_job(JOB_FUNC, args=({"v": 1, "prompt": "x"},))
+        with r.pipeline() as p:  # a record without data (issue 8, 7): it fails by reason
+            mq.enqueue_job(bare, pipeline=p)
+            p.hdel(bare.key, "data")
+            p.execute()
+        ids.append(bare.id)
         long_prompt = self.client.submit("lorem ipsum dolor " * 300, max_tokens=8)
         ids.append(long_prompt.id)
         with self.t.lock:
             self.t.kind.update((i, "poison") for i in ids)
         for i in ids:
             self.listen(i)
-        return f"{len(ids)} poison jobs (pickle, wrong types, os.system, garbage, too long)"
+        return (
+            f"{len(ids)} poison jobs (pickle, wrong types, os.system, garbage, no data, too long)"
+        )
+
+    # -- issue 8's hostile entries -----------------------------------------------------
+
+    def expect(self, job_id: str, what: str, ends: tuple[str, ...], reason: str = "") -> None:
+        with self.t.lock:
+            self.t.expect[job_id] = (what, ends, reason)
+
+    def poisoned_keys(self) -> str:
+        """Valid jobs whose other keys are rogue: an attempt count that is no int and a log
+        key of the wrong type, written before the job is queued, and the log of a running
+        job made a string. Each fails (or heals) that one job; the batch decodes on."""
+        r, n = self.c.r, next(self.serial)
+        attempt, log = f"poisoned-attempt-{n}-{uuid.uuid4().hex[:8]}", f"poisoned-log-{n}"
+        log += f"-{uuid.uuid4().hex[:8]}"
+        retry(lambda: r.hset(job_key(attempt), "mlxq_attempt", "notanint"))
+        retry(lambda: r.set(stream_key(log), "x"))
+        kws = [job_kwargs(10_000 + 2 * n), job_kwargs(10_001 + 2 * n)]
+        self.expect(attempt, "mlxq_attempt=notanint", ("failed",), "mlxq_attempt")
+        self.expect(log, "log key a string before the start", ("finished", "failed"))
+        jobs = retry(lambda: self.client.submit_many(kws, job_ids=[attempt, log]))
+        (running,) = self.submit(
+            [
+                {
+                    "prompt": f"A long tale, part {n}",
+                    "max_tokens": 400,
+                    "temperature": 1.0,
+                    "seed": n,
+                }
+            ],
+            "poisoned",
+        )
+        for j in (*jobs, running):
+            self.listen(j.id)
+        with self.t.lock:
+            self.t.kind.update((j.id, "poisoned") for j in jobs)
+        deadline = time.monotonic() + 10
+        while retry(running.status) == "queued" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        with r.pipeline() as p:  # one MULTI: the status it had when its log went bad
+            p.hget(job_key(running.id), "status")
+            p.delete(stream_key(running.id))
+            p.set(stream_key(running.id), "x")
+            was = (retry(p.execute)[0] or b"?").decode()
+        if was == "started":
+            self.expect(running.id, "log key a string while running", ("failed",), "replay log")
+        else:  # it ended (a random model may stop at once) or never started in time
+            self.expect(running.id, f"log key a string while {was}", (*TERMINAL,))
+        return f"3 valid jobs with rogue keys (attempt, log before start, log while {was})"
+
+    def bad_ids(self) -> str:
+        """Ids that are not UTF-8, too long, or of no job, pushed onto the queue."""
+        rogue = [b"\xc3\x28", b"\xff\xfe\xfd", b"x" * 300, f"no-such-job-{uuid.uuid4().hex}"]
+        retry(lambda: self.c.r.rpush(queue_key(QUEUE), *rogue))
+        self.rogue_ids.update(i if isinstance(i, bytes) else i.encode() for i in rogue)
+        return f"RPUSH {len(rogue)} rogue ids (2 not UTF-8, 1 of 300 bytes, 1 of no job)"
+
+    def forged_messages(self) -> str:
+        """Junk on the channels of held jobs, a forged far-off log entry, junk and 500
+        forged ids on each worker's cancel channel; then a cancel that must still work."""
+        held = self.listen_held(list(self.c.workers))
+        r, ids = self.c.r, [i for n in list(self.c.workers) for i in self.c.wip(n)]
+        with r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.publish(channel(i), b"\xff\xfe not msgpack")
+            for name in list(self.c.workers):
+                for junk in (b"\xff\xfe", b"", b"\x00" * 300):
+                    p.publish(cancel_channel(name), junk)
+                for k in range(500):
+                    p.publish(cancel_channel(name), f"forged-{k}")
+            retry(p.execute)
+        forged = ""
+        for i in ids:  # one far-off entry in the log of a running job whose log exists
+            if retry(lambda i=i: r.hget(job_key(i), "status")) == b"started" and r.exists(
+                stream_key(i)
+            ):
+                retry(lambda i=i: r.xadd(stream_key(i), {"c": b"\xc1 junk"}, id="99999999-0"))
+                forged = f"; a forged log entry 99999999-0 in {i}"
+                break
+        probes = 0
+        for name in list(self.c.workers):  # the cancel listeners outlived the junk
+            for i in self.c.wip(name):
+                if retry(lambda i=i: r.hget(job_key(i), "status")) == b"started" and i not in (
+                    self.t.cancel_said
+                ):
+                    self.t.cancel_said[i] = ("forged_messages", retry(Job(self.client, i).cancel))
+                    probes += 1
+                    break
+        return (
+            f"junk on {len(ids)} job channels ({held} held), junk and 500 forged ids on "
+            f"{len(self.c.workers)} cancel channels{forged}; {probes} cancels after it"
+        )
+
+    def freeze(self) -> str:
+        """SIGSTOP a busy worker past its lease while the witness runs, then SIGCONT. A
+        burst first, so it holds many jobs, and one during the freeze: a claim the frozen
+        worker had waiting may be handed a job that its reaped WIP list must not swallow."""
+        burst = [{**job_kwargs(k), "max_tokens": 24} for k in range(2 * MAX_BATCH)]
+        for j in self.submit(burst, "burst"):
+            self.listen(j.id)
+        name = next(n for n in self.c.workers if n != self.witness)
+        deadline = time.monotonic() + 5
+        while len(self.c.wip(name)) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held = self.listen_held([name])
+        proc = self.c.workers[name]
+        self.excused[name] = math.inf
+        proc.send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        for j in self.submit(burst, "burst"):
+            self.listen(j.id)
+        while self.c.wip(name) and time.monotonic() < t + 8:  # the witness reaps it
+            time.sleep(0.05)
+        reaped = time.monotonic() - t
+        time.sleep(max(0.0, t + 8 - time.monotonic()))
+        left = len(self.c.wip(name))
+        proc.send_signal(signal.SIGCONT)
+        self.excused[name] = time.monotonic() + 3
+        return (
+            f"SIGSTOP {name} holding {held} jobs for 8s: reaped after {reaped:.1f}s, "
+            f"{left} in its WIP list at SIGCONT"
+        )
+
+    def duplicate_entries(self) -> str:
+        """Ids already running (and one already finished) pushed onto the queue again."""
+        self.listen_held(list(self.c.workers))
+        running = [i for n in list(self.c.workers) for i in self.c.wip(n)][:4]
+        with self.t.lock:
+            done = [i for i in self.t.watch if self.t.final[i][0] == "finished"][:1]
+        if running or done:
+            retry(lambda: self.c.r.rpush(queue_key(QUEUE), *running, *done))
+        return f"RPUSH again {len(running)} held and {len(done)} finished job ids"
+
+    def cancel_race(self) -> str:
+        """Cancel 24 short jobs around the moment each ends: cancel() must tell the truth."""
+        rng = random.Random(next(self.serial))
+        jobs = self.submit(
+            [
+                {"prompt": f"race {k}", "max_tokens": 6, "temperature": 1.0, "seed": k}
+                for k in range(24)
+            ],
+            "race",
+        )
+        for j in jobs:
+            self.listen(j.id)
+
+        def race(job: Job, delay: float) -> None:
+            try:
+                chunks = job.stream(timeout=60)
+                next(chunks, None)
+                chunks.close()
+                time.sleep(delay)
+                said = retry(job.cancel)
+            except Exception as e:
+                self.say(f"cancel race of {job.id}: {e!r}")
+                return
+            with self.t.lock:
+                self.t.cancel_said[job.id] = ("cancel_race", said)
+
+        threads = [
+            threading.Thread(target=race, args=(j, rng.uniform(0, 0.02)), daemon=True) for j in jobs
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+        said = Counter(v for i, (why, v) in self.t.cancel_said.items() if why == "cancel_race")
+        return f"24 cancels racing ends so far: {said[True]} said True, {said[False]} False"
+
+    def maxmemory(self) -> str:
+        """Redis at maxmemory (noeviction) a few seconds: writes are refused, then go on."""
+        r = self.c.r
+        was = retry(lambda: r.config_get("maxmemory*"))
+        held = self.listen_held(list(self.c.workers))
+        oom = self.refusals()
+        used = int(retry(lambda: r.info("memory"))["used_memory"])
+        try:
+            retry(lambda: r.config_set("maxmemory-policy", "noeviction"))
+            retry(lambda: r.config_set("maxmemory", used + 64 * 1024))
+            time.sleep(4)
+            peak = int(retry(lambda: r.info("memory"))["used_memory"])
+        finally:
+            retry(lambda: r.config_set("maxmemory", was.get("maxmemory", "0")))
+            retry(lambda: r.config_set("maxmemory-policy", was["maxmemory-policy"]))
+        return (
+            f"maxmemory {(used + 64 * 1024) / 2**20:.2f} MiB (used {used / 2**20:.2f}, "
+            f"{peak / 2**20:.2f} at the end) with noeviction for 4s: "
+            f"{self.refusals() - oom} commands refused; {held} jobs held"
+        )
+
+    def refusals(self) -> int:
+        """Commands Redis refused for memory so far (since its last start)."""
+        stats = retry(lambda: self.c.r.info("errorstats"))
+        return int(stats.get("errorstat_OOM", {}).get("count", 0))
 
     def check_workers(self) -> None:
         for name, proc in list(self.c.workers.items()):
@@ -444,11 +796,23 @@ class Soak:
             self.cancel_sample,
             self.poison,
         ]
+        hostile = [
+            self.poisoned_keys,
+            self.bad_ids,
+            self.forged_messages,
+            self.freeze,
+            self.duplicate_entries,
+            self.cancel_race,
+            self.maxmemory,
+        ]
+        faults = [f for pair in zip(faults, hostile, strict=True) for f in pair]
         for n, fault in enumerate(itertools.cycle(faults)):
             if n >= len(faults) and not submitting.is_alive():
                 return
             time.sleep(self.args.gap_s)
+            self.doing = fault.__name__
             self.say(f"{fault.__name__}: {fault()}")
+            self.doing = f"after {fault.__name__}"
             self.t.faults[fault.__name__] += 1
             self.check_workers()
 
@@ -456,6 +820,9 @@ class Soak:
 
     def run(self) -> bool:
         c = self.c
+        watching = threading.Event()
+        monitor = threading.Thread(target=self.monitor, args=(watching,), daemon=True)
+        monitor.start()
         self.witness = c.start_worker()  # lives through the whole soak: its RSS is the trend
         c.start_worker()
         warm = self.client.submit_many([job_kwargs(k) for k in range(2 * MAX_BATCH)])
@@ -470,9 +837,15 @@ class Soak:
         submitting.start()
         self.inject(submitting)
         submitting.join()
+        if self.submitted < self.args.jobs:
+            self.say(f"the submitter stopped after {self.submitted} of {self.args.jobs} jobs")
         self.drain()
-        stop.set()
-        poller.join()
+        self.doing = "drained"
+        watching.set()
+        monitor.join()
+        self.t.stray = self.strays()
+        time.sleep(3)  # a woken or duplicate copy had time to write, had it been let
+        self.poll_once()
         # Every job ended, so rq must show none started: name any it still does.
         started = [
             f"{i[:8]} {self.t.final.get(i, ('untracked',))[0]}"
@@ -480,6 +853,9 @@ class Soak:
         ]
         self.say(f"drained; StartedJobRegistry holds {started}; waiting out the TTLs")
         time.sleep(self.args.ttl + 3)
+        stop.set()
+        poller.join()
+        self.poll_once()
         clean_registries(Queue(QUEUE, connection=c.r, serializer=MsgpackSerializer))
         self.t.memory["after"] = c.memory()
         return self.report(started)
@@ -491,6 +867,14 @@ class Soak:
         for th in self.listeners:
             th.join(max(0.1, deadline - time.monotonic()))
 
+    def strays(self) -> list[str]:
+        """What is left in the queue and in every WIP list once every job ended: each entry
+        is a rogue id or a duplicate that nobody dropped."""
+        r, out = self.c.r, []
+        for k in [queue_key(QUEUE), *(k.decode() for k in r.scan_iter(match=wip_key("*")))]:
+            out += [f"{k}: {i!r}" for i in retry(lambda k=k: r.lrange(k, 0, -1))]
+        return out
+
     def report(self, started: list[str]) -> bool:
         t = self.t
         status = Counter(t.final.get(i, ("lost", ""))[0] for i in t.kind)
@@ -498,11 +882,28 @@ class Soak:
         failed = [(t.kind[i], s[1]) for i, s in t.final.items() if s[0] == "failed"]
         poison_ok = sum(1 for k, why in failed if k == "poison" and why not in ("", "unknown"))
         poison_n = sum(1 for k in t.kind.values() if k == "poison")
-        others = Counter(why.split(":")[0] for k, why in failed if k != "poison")
+        others = Counter(why.split(":")[0] for k, why in failed if k not in ("poison", "poisoned"))
         alive_listeners = sum(th.is_alive() for th in self.listeners)
         asked = Counter((st, t.final.get(i, ("lost",))[0]) for i, st in t.cancel_asked.items())
         queued_not_canceled = sum(
             n for (st, end), n in asked.items() if st == "queued" and end != "canceled"
+        )
+        said = Counter(
+            (why, v, t.final.get(i, ("lost",))[0]) for i, (why, v) in t.cancel_said.items()
+        )
+        untruthful = [
+            f"{i} said {v}, ended {t.final.get(i, ('lost',))[0]}"
+            for i, (_, v) in t.cancel_said.items()
+            if v != (t.final.get(i, ("lost",))[0] == "canceled")
+        ]
+        unexpected = []
+        for i, (what, ends, must) in t.expect.items():
+            st, why = t.final.get(i, ("lost", ""))
+            if st not in ends or (st == "failed" and (must not in why or why == "unknown")):
+                unexpected.append(f"{i} ({what}) ended {st}: {why!r}")
+        poisoned_ends = Counter(t.final.get(i, ("lost",))[0] for i in t.expect)
+        poisoned_why = sorted(
+            {t.final[i][1][:60] for i in t.expect if t.final.get(i, ("",))[0] == "failed"}
         )
         rows = [
             ("faults injected", ", ".join(f"{k} x{v}" for k, v in t.faults.items())),
@@ -516,9 +917,26 @@ class Soak:
                 "failed with reason: poison",
                 f"{poison_ok} of {poison_n} poison jobs; {t.poison_started} reached the engine",
             ),
-            ("failed with reason: other", f"{len(failed) - poison_ok} {dict(others)}"),
+            (
+                "failed with reason: poisoned keys",
+                f"{poisoned_ends['failed']} of {len(t.expect)} valid jobs with rogue keys "
+                f"({dict(poisoned_ends)}); {len(unexpected)} unexpected {unexpected or ''}; "
+                f"reasons {poisoned_why}",
+            ),
+            (
+                "failed with reason: other",
+                f"{others.total()} {dict(others)}",
+            ),
             ("canceled", f"{status['canceled']}; asked (status then, end): {dict(asked)}"),
+            (
+                "cancel() verdicts wrong (must be 0)",
+                f"{len(untruthful)} not {untruthful[:5] or ''}; (fault, said, end): {dict(said)}",
+            ),
             ("lost (must be 0)", f"{len(lost)} {self.whereabouts(lost[:5]) if lost else ''}"),
+            (
+                "ended twice (must be 0)",
+                f"{len(t.ended_twice)} {list(t.ended_twice.items())[:5] or ''}",
+            ),
             ("left in StartedJobRegistry (must be 0)", f"{len(started)} {started or ''}"),
             (
                 "listeners",
@@ -527,6 +945,16 @@ class Soak:
             ),
             ("duplicated chunks (must be 0)", t.duplicates),
             ("streamed text mismatches (must be 0)", t.mismatches),
+            (
+                "worker stalls > 1 s (must be 0)",
+                f"{len(t.stalls)} {t.stalls[:5] or ''}; {t.stall_samples} scrapes, "
+                f"{t.busy_samples} with jobs running; longest stretch without a step "
+                f"{t.longest_gap:.2f}s at most",
+            ),
+            (
+                "rogue ids left in queue or WIP (must be 0)",
+                f"{len(t.stray)} {t.stray[:5] or ''}",
+            ),
             ("SIGTERM exit codes", t.sigterm_rcs),
             ("kill -9 recovery by the live worker", [f"{s:.2f}s" for s in t.recoveries]),
             ("workers that died unasked", t.unexpected_exits or 0),
@@ -544,6 +972,12 @@ class Soak:
             "mismatches": t.mismatches,
             "poison not failed": poison_n - poison_ok,
             "poison started": t.poison_started,
+            "soak jobs not submitted": self.args.jobs - self.submitted,
+            "poisoned keys unexpected": len(unexpected),
+            "ended twice": len(t.ended_twice),
+            "cancel() untruthful": len(untruthful),
+            "worker stalls": len(t.stalls),
+            "rogue ids left": len(t.stray),
             "started registry": len(started),
             "listeners waiting": alive_listeners,
             "listener errors": t.listener_errors,
@@ -576,6 +1010,10 @@ class Soak:
             ttls = p.execute()
         prefix = [":".join(k.split(":")[:2]) for k in names]
         forever = Counter(p for p, ttl in zip(prefix, ttls, strict=True) if ttl == -1)
+        per_job = ("rq:job", "rq:results", "mlxq:stream", "rq:execution", "rq:executions")
+        jobs_forever = [
+            k for k, p, ttl in zip(names, prefix, ttls, strict=True) if ttl == -1 and p in per_job
+        ]
         flagged = sum(
             1
             for k in self.c.r.scan_iter(match="rq:job:*", count=1000)
@@ -584,6 +1022,7 @@ class Soak:
         return [
             ("keys left after TTLs", f"{len(names)} {dict(Counter(prefix).most_common())}"),
             ("of which without a TTL", f"{forever.total()} {dict(forever.most_common())}"),
+            ("per-job keys without a TTL", f"{len(jobs_forever)} {jobs_forever[:5] or ''}"),
             ("job records left with a cancel flag", flagged),
         ]
 
