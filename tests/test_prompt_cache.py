@@ -204,7 +204,7 @@ def _submit_all(client: Client, seeded: bool) -> list[list[int]]:
 def test_workers_with_and_without_the_cache_agree_and_count(redis_server, queue_name, start_worker):
     off_queue = queue_name + "-off"
     start_worker(queue=off_queue, prompt_cache_bytes=0)
-    start_worker()
+    start_worker(prompt_cache_bytes=1 << 30)
     on, off = Client(redis_server.url, queue=queue_name), Client(redis_server.url, queue=off_queue)
     for seeded in (False, True):
         assert _submit_all(on, seeded) == _submit_all(off, seeded)
@@ -223,7 +223,7 @@ def test_workers_with_and_without_the_cache_agree_and_count(redis_server, queue_
 def test_cancel_then_restart_leave_the_cache_sound(redis_server, queue_name, start_worker):
     off_queue = queue_name + "-off"
     start_worker(queue=off_queue, prompt_cache_bytes=0)
-    worker = start_worker(window_ms=0)
+    worker = start_worker(window_ms=0, prompt_cache_bytes=1 << 30)
     on, off = Client(redis_server.url, queue=queue_name), Client(redis_server.url, queue=off_queue)
     want = off.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids
     running = on.submit(PREFIX + QUESTIONS[1], max_tokens=1000, temperature=1.0, seed=3)
@@ -233,7 +233,7 @@ def test_cancel_then_restart_leave_the_cache_sound(redis_server, queue_name, sta
     assert list(it)[-1].finish_reason == "canceled"
     assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
     worker.stop()
-    start_worker()  # a new process: its cache starts empty
+    start_worker(prompt_cache_bytes=1 << 30)  # a new process: its cache starts empty
     assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
     w = _info_worker(redis_server.url, queue_name, 1)
     assert w["prompt_cache_queries"] == 1 and w["prompt_cache_hits"] == 0
@@ -252,7 +252,7 @@ def test_prometheus_counts_the_prefix_cache(redis_server, queue_name, start_work
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    start_worker(metrics_port=port, metrics_host="127.0.0.1")
+    start_worker(metrics_port=port, metrics_host="127.0.0.1", prompt_cache_bytes=1 << 30)
     client = Client(redis_server.url, queue=queue_name)
     for q in QUESTIONS[:2]:
         client.submit(PREFIX + q, max_tokens=4).result(timeout=120)

@@ -107,11 +107,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-cache-bytes",
         type=int,
-        default=None,
+        default=c.DEFAULT_PROMPT_CACHE_BYTES,
         help="bytes of KV state kept so later jobs that start with the same tokens (a "
-        "sweep's shared prefix, a chat's history) skip that part of the prefill; 0 turns "
-        "the cache off (default: a quarter of the device's recommended working set, "
-        "1 GiB on a CPU)",
+        "sweep's shared prefix, a chat's history) skip that part of the prefill, e.g. "
+        "1073741824; off by default, as it slows sweeps whose prompts share nothing "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--log-level",
