@@ -120,6 +120,7 @@ def test_a_log_key_made_the_wrong_type_fails_that_job_alone(
     with pytest.raises(JobFailed):  # a listener gets the reason, not a raw Redis error
         list(victim.stream(timeout=10))
     assert bystander.result(timeout=120).finish_reason in ("stop", "length")
+    assert r.ttl(keys.stream_key(victim.id)) > 0, "the rogue key expires like the log"
 
 
 def test_a_frozen_worker_ends_every_job_exactly_once(redis_server, queue_name, start_worker, r):

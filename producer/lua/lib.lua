@@ -87,7 +87,12 @@ local function write_chunk(id, seq, data, ttl, expire)
   local how = 'ok'
   if is_err(r) then
     if is_oom(r) then return 'oom' end
-    if not string.find(r.err, 'equal or smaller', 1, true) then return r.err end
+    if not string.find(r.err, 'equal or smaller', 1, true) then
+      -- A rogue key in the log's place (another type): it fails this job; it must not
+      -- outlive the log it stands for.
+      redis.call('EXPIRE', stream, ttl)
+      return r.err
+    end
     local here = redis.call('XRANGE', stream, eid, eid)
     if #here == 1 and here[1][2][2] == data then
       how = 'dup'
