@@ -18,6 +18,7 @@ from rq.registry import (
     StartedJobRegistry,
 )
 from rq.results import Result
+from rq.suspension import WORKERS_SUSPENDED
 from rq.worker import Worker
 
 PREFIX = "mlxq"
@@ -43,6 +44,7 @@ RQ_QUEUE = Queue.redis_queue_namespace_prefix  # rq:queue:<name>
 RQ_QUEUES = Queue.redis_queues_keys  # set of every queue key
 RQ_WORKER = Worker.redis_worker_namespace_prefix  # rq:worker:<name>
 RQ_WORKERS = Worker.redis_workers_keys  # set of every worker key
+RQ_SUSPENDED = WORKERS_SUSPENDED  # set by ``rq suspend``: workers admit nothing new
 
 
 def job_key(job_id: str) -> str:

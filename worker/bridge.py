@@ -30,7 +30,6 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
-from rq.suspension import is_suspended
 from rq.utils import utcformat
 from rq.worker import SimpleWorker
 
@@ -269,7 +268,9 @@ class Bridge:
 
     def suspended(self) -> bool:
         """Whether ``rq suspend`` is in force (rq's own suspension key is set)."""
-        return bool(is_suspended(self.redis))
+        # A plain EXISTS, not rq's is_suspended (a MULTI transaction, refused while Redis
+        # is out of memory): the heartbeat thread reads it every beat.
+        return bool(self.redis.exists(keys.RQ_SUSPENDED))
 
     def rq_heartbeat(self) -> None:
         self.rq_worker.heartbeat()
