@@ -34,14 +34,13 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -52,6 +51,7 @@ import redis
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
+from procs import start_redis, stop, wait_for
 
 from mlxq.producer import AsyncClient, AsyncJob, Client, Job, Result
 from mlxq.producer.info import collect
@@ -364,42 +364,6 @@ def measure_ttft(direct: Direct, mq: Mlxq, prompts: list[str], tokens: int) -> d
 # -- processes ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(
-    what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, within: float
-) -> None:
-    deadline = time.monotonic() + within
-    while not ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-            sys.exit(f"{what} did not start (exit {proc.poll()}):\n{tail}")
-        time.sleep(0.05)
-
-
-def start_redis(work: Path) -> tuple[str, subprocess.Popen[bytes]]:
-    exe = shutil.which("redis-server") or sys.exit("redis-server not found (or pass --redis-url)")
-    port, log = free_port(), work / "redis.log"
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(
-        [*cmd, "--dir", str(work)], stdout=log.open("wb"), stderr=subprocess.STDOUT
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-
-    def up() -> bool:
-        try:
-            return bool(redis.Redis.from_url(url).ping())
-        except redis.ConnectionError:
-            return False
-
-    wait_for("redis-server", up, proc, log, 30)
-    return url, proc
-
-
 def start_worker(
     model_dir: Path, url: str, queue: str, args: argparse.Namespace, work: Path
 ) -> tuple[str, subprocess.Popen[bytes]]:
@@ -417,16 +381,6 @@ def start_worker(
 
     wait_for("mlxq worker", up, proc, log, 600)
     return name, proc
-
-
-def stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def model_dir_for(args: argparse.Namespace, work: Path) -> Path:

@@ -37,7 +37,6 @@ import os
 import platform
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,8 @@ from typing import Any
 
 import openai
 import redis
+from procs import free_port, stop, wait_for
+from procs import start_redis as start_private_redis
 
 from mlxq.producer import Client
 from mlxq.producer.info import collect
@@ -80,23 +81,6 @@ WAIT_S = 1800.0  # for any one stream: longer is broken, not slow
 # -- processes ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(
-    what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, within: float
-) -> None:
-    deadline = time.monotonic() + within
-    while not ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-            raise RuntimeError(f"{what} did not start (exit {proc.poll()}):\n{tail}")
-        time.sleep(0.05)
-
-
 def spawn(
     cmd: list[str], log: Path, procs: list[subprocess.Popen[bytes]]
 ) -> subprocess.Popen[bytes]:
@@ -109,20 +93,9 @@ def spawn(
 
 
 def start_redis(work: Path, procs: list[subprocess.Popen[bytes]]) -> str:
-    exe = shutil.which("redis-server") or sys.exit("redis-server not found (or pass --redis-url)")
-    port, log = free_port(), work / "redis.log"
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     # 1,000 streams need far fewer than 10,000 clients; the cap is only never the limit.
-    proc = spawn([*cmd, "--maxclients", "10000", "--dir", str(work)], log, procs)
-    url = f"redis://127.0.0.1:{port}/0"
-
-    def up() -> bool:
-        try:
-            return bool(redis.Redis.from_url(url).ping())
-        except redis.ConnectionError:
-            return False
-
-    wait_for("redis-server", up, proc, log, 30)
+    url, proc = start_private_redis(work, ["--maxclients", "10000"])
+    procs.append(proc)  # stopped by the caller's finally, whatever happens next
     return url
 
 
@@ -159,16 +132,6 @@ def start_gateway(
 
     wait_for("mlxq serve", up, proc, log, 60)
     return base, proc
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def raise_fd_limit() -> int:
@@ -616,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bench.point(2, args.tokens, 0, sample_s)
                     p = bench.point(n, args.tokens, args.check, sample_s)
                 finally:
-                    stop(gateway)
+                    stop(gateway, 30)
                     procs.remove(gateway)
                 print(
                     f"  {n:>5} streams: {p.finished} finished, {p.errors} errors, peak gateway "
@@ -656,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bench is not None:
                 bench.close()
             for proc in reversed(procs):  # gateway, worker, then Redis
-                stop(proc)
+                stop(proc, 30)
 
 
 if __name__ == "__main__":
