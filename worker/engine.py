@@ -364,7 +364,8 @@ class Engine:
         if not rows:
             return
         stops = [self._stop_tokens(job) for job, _ in rows]
-        prompts, caches, held = self._cached([job.prompt_ids for job, _ in rows])
+        prompts = [job.prompt_ids for job, _ in rows]
+        caches, held = self._cached(prompts)
         uids = self._gen.insert(
             [p[n:] for p, n in zip(prompts, held, strict=True)],
             max_tokens=[job.request.max_tokens for job, _ in rows],
@@ -384,16 +385,14 @@ class Engine:
                 self._stops[uid] = stop
         self.counters.prompt_tokens += sum(len(job.prompt_ids) for job, _ in rows)
 
-    def _cached(
-        self, prompts: list[list[int]]
-    ) -> tuple[list[list[int]], list[list[Any]] | None, list[int]]:
-        """Each row's prompt, the cache of its longest cached prefix (None: none) and how
-        many tokens that holds; prefixes the rows share and the cache lacks are prefilled
-        first, once each."""
+    def _cached(self, prompts: list[list[int]]) -> tuple[list[list[Any]] | None, list[int]]:
+        """Each row's cache of its longest cached prefix (None: none) and how many tokens
+        that holds; prefixes the rows share and the cache lacks are prefilled first, once
+        each."""
         c, pc = self.counters, self.prompt_cache
         if pc is None:
             c.prompt_tokens_prefilled += sum(len(p) for p in prompts)
-            return prompts, None, [0] * len(prompts)
+            return None, [0] * len(prompts)
         c.prompt_tokens_prefilled += pc.prefill_shared(prompts)
         caches: list[Any] = []
         held: list[int] = []
@@ -405,7 +404,7 @@ class Engine:
             c.prompt_cache_hits += cache is not None
             c.prompt_tokens_cached += n
             c.prompt_tokens_prefilled += len(p) - n
-        return prompts, caches, held
+        return caches, held
 
     def _keep(self, tokens: list[int] | None, cache: list[Any] | None) -> None:
         """Keep a finished row's cache (its prompt and completion) for later jobs."""
