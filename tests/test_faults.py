@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import redis
+from listener import Listener
 from rq import Queue
 
 from mlxq.producer import Client, JobFailed
@@ -17,32 +17,6 @@ from mlxq.producer.client import Job
 from mlxq.producer.codec import MsgpackSerializer
 
 pytestmark = pytest.mark.e2e
-
-
-class Listener:
-    """Follows a job's stream in a thread, as a UI would: clears its text on reset."""
-
-    def __init__(self, job: Job) -> None:
-        self.job, self.text, self.seqs, self.resets = job, "", [], 0
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            for c in self.job.stream(timeout=120):
-                self.seqs.append(c.seq)
-                if c.kind == "reset":
-                    self.text, self.resets = "", self.resets + 1
-                self.text += c.text
-        except BaseException as e:  # reported by check(), on the test thread
-            self.error = e
-
-    def check(self) -> None:
-        self.thread.join(120)
-        assert self.error is None, self.error
-        assert len(self.seqs) == len(set(self.seqs)) and self.seqs == sorted(self.seqs)
-        assert self.text == self.job.result(timeout=10).text
 
 
 def _wait_running(jobs: list[Job], n: int, timeout: float = 60) -> None:

@@ -11,7 +11,8 @@ import zlib
 
 import pytest
 import redis
-from test_faults import Listener, _attempts, _long_jobs, _wait_running
+from listener import Listener
+from test_faults import _attempts, _long_jobs, _wait_running
 
 from mlxq.producer import Client, JobFailed, MlxqError, keys
 

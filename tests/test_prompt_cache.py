@@ -17,9 +17,9 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlxq.worker.engine import Engine  # noqa: E402
 from mlxq.worker.jobs import Job  # noqa: E402
-from mlxq.worker.prompt_cache import PromptCache, shared_prefixes  # noqa: E402
+from mlxq.worker.prompt_cache import MIN_REUSE, PromptCache, shared_prefixes  # noqa: E402
 
-#: About 450 tokens of the tiny model's tokenizer, shared by every job below.
+#: About 1,000 tokens of the tiny model's tokenizer, shared by every job below.
 PREFIX = "Answer as the examples do. " + " ".join(f"example {i}: the harbour" for i in range(90))
 QUESTIONS = [f" Question {i}: where do the boats go at dawn?" for i in range(6)]
 
@@ -160,6 +160,87 @@ def test_a_cache_that_cannot_merge_is_a_miss_never_an_error(loaded):
     assert pc.fetch([1, 2, 3, 4]) == (None, 0) and pc.nbytes == 0
 
 
+def _prefilled(model, tokens: list[int]) -> list:
+    """The KV cache of ``tokens``, prefilled alone."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_a_lookup_takes_the_longest_shared_prefix_and_never_a_short_one(loaded):
+    import mlx.core as mx
+
+    model, _ = loaded
+    pc = PromptCache(model, 1 << 30)
+    t = list(range(20, 220))
+    other = list(range(300, 340))
+    pc.store(t[:100], _prefilled(model, t[:100]))
+    assert len(pc) == 1 and pc.nbytes > 0
+    # An entry that is a prefix of the prompt; the prompt itself (cut by one, so a token
+    # is left to prefill); an entry sharing only the first 60 tokens, cut back to them.
+    for tokens, want in [(t[:150], 100), (t[:100], 99), (t[:60] + other, 60)]:
+        cache, held = pc.fetch(tokens)
+        assert held == want, tokens
+        assert cache is not None and all(c.offset == want for c in cache)
+        ref = _prefilled(model, t[:want])
+        for c, r in zip(cache, ref, strict=True):
+            k, v = c.state[:2]
+            assert mx.allclose(k[..., :want, :], r.keys[..., :want, :], atol=1e-4).item()
+            assert mx.allclose(v[..., :want, :], r.values[..., :want, :], atol=1e-4).item()
+    # Fewer shared tokens than MIN_REUSE: a miss, as is a prompt that short.
+    assert pc.fetch(t[: MIN_REUSE - 1] + other) == (None, 0)
+    assert pc.fetch(t[:MIN_REUSE]) == (None, 0)
+    assert pc.fetch(other + t) == (None, 0)
+
+
+def test_decoding_from_a_hit_leaves_the_entry_as_it_was(loaded):
+    import mlx.core as mx
+
+    model, _ = loaded
+    pc = PromptCache(model, 1 << 30)
+    t = list(range(20, 120))
+    pc.store(t, _prefilled(model, t))
+    before, _ = pc.fetch([*t, 5])
+    assert before is not None
+    keys = [mx.array(c.keys) for c in before]
+    cache, held = pc.fetch([*t[:70], 7, 8, 9])
+    assert held == 70 and cache is not None
+    model(mx.array([[7, 8, 9]]), cache=cache)  # writes past 70, where the entry has t[70:]
+    model(mx.array([[10]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    after, _ = pc.fetch([*t, 5])
+    assert after is not None
+    assert all(mx.array_equal(k, c.keys).item() for k, c in zip(keys, after, strict=True))
+
+
+def test_a_stored_row_holds_its_own_memory_not_its_batchs(loaded):
+    """A finished row's cache is a slice of the whole batch's KV buffer until evaluated:
+    kept lazy, every entry would pin a batch buffer the byte budget never counts."""
+    import gc
+
+    import mlx.core as mx
+
+    reqs = [
+        GenerationRequest(prompt=f"{i} " + PREFIX + QUESTIONS[i % 6], max_tokens=40 + 20 * i)
+        for i in range(16)
+    ]
+    engine = Engine(*loaded, max_batch=16, prompt_cache_bytes=1 << 34)
+    mx.synchronize()
+    gc.collect()
+    base = mx.get_active_memory()
+    _run(engine, reqs, at_once=16)
+    engine._gen = None  # the batch and its buffers go; the entries stay
+    gc.collect()
+    mx.synchronize()
+    held = mx.get_active_memory() - base
+    assert engine.prompt_cache is not None and len(engine.prompt_cache) >= 8
+    assert held < 1.5 * engine.prompt_cache_bytes + (8 << 20), (held, engine.prompt_cache_bytes)
+
+
 def test_shared_prefixes_group_neighbours():
     a, b = [1] * 40, [2] * 40
     assert shared_prefixes([[*a, 5], [*a, 6], [*b, 7]], 32) == [a]
@@ -240,6 +321,37 @@ def test_cancel_then_restart_leave_the_cache_sound(redis_server, queue_name, sta
     assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
     w = _info_worker(redis_server.url, queue_name, 2)
     assert w["prompt_cache_hits"] == 1
+
+
+@pytest.mark.e2e
+def test_a_redis_restart_during_a_cached_job_loses_and_repeats_nothing(
+    persistent_redis, queue_name, start_worker, loaded
+):
+    """The cache is the worker's own memory: Redis going away mid-job changes nothing in
+    it, and the job that decodes from a hit streams every token once."""
+    from listener import Listener
+
+    url = persistent_redis.url
+    off_queue = queue_name + "-off"
+    start_worker(queue=off_queue, redis_url=url, prompt_cache_bytes=0)
+    start_worker(redis_url=url, window_ms=0)  # the default budget: the cache is on
+    on, off = Client(url, queue=queue_name), Client(url, queue=off_queue)
+    on.submit(PREFIX + QUESTIONS[0], max_tokens=4).result(timeout=120)
+    no_eos = {t: -100.0 for t in loaded[1].eos_token_ids}  # it runs its 900 tokens
+    long = on.submit(PREFIX + QUESTIONS[1], max_tokens=900, temperature=1.0, logit_bias=no_eos)
+    listener = Listener(long)
+    deadline = time.monotonic() + 60
+    while long.status() != "started":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    persistent_redis.restart()
+    assert long.result(timeout=120).finish_reason == "length"
+    listener.check()
+    w = _info_worker(url, queue_name, 2)
+    assert w["prompt_cache_hits"] >= 1 and w["prompt_tokens_cached"] >= 400
+    prompt = PREFIX + QUESTIONS[2]
+    want = off.submit(prompt, max_tokens=8).result(timeout=120).token_ids
+    assert on.submit(prompt, max_tokens=8).result(timeout=120).token_ids == want
 
 
 @pytest.mark.e2e

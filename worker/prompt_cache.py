@@ -3,25 +3,43 @@
 An eval sweep sends one few-shot prefix in front of thousands of questions, and a chat
 resends its whole history every turn: both prefill the same tokens again and again. The
 cache keeps the KV state of finished rows (prompt and completion) and of prefixes shared
-by a burst of jobs, in mlx-lm's :class:`~mlx_lm.models.cache.LRUPromptCache` (a token
-trie, least recently used out first) under a byte budget, and hands each admitted row the
-state of its longest cached prefix; only the rest of its prompt is prefilled.
+by a burst of jobs under a byte budget, least recently used out first, and hands each
+admitted row the state of its longest cached prefix; only the rest of its prompt is
+prefilled.
 
-mlx-lm copies a row's cache into the batch (``BatchKVCache.merge``), so an entry is
-never shared with a running row. A cache type without ``merge`` (``QuantizedKVCache``)
-cannot join a batch with history: such a model never hits and every row prefills in
-full, as it would without the cache. Pinned to mlx-lm 0.32.2.
+What keeps it cheap enough to be on by default (each of these cost the e2e benchmark a
+large share of its speed on the H200 when it was missing):
+
+- A lookup walks a token trie once; any entry below the point where the walk stops
+  shares the whole walked prefix, so the first one found serves (mlx-lm's
+  ``PromptTrie.search`` looks for the shortest, which walks every branch below: tens of
+  milliseconds per lookup for a sweep's hundreds of entries).
+- A hit shorter than :data:`MIN_REUSE` tokens is a miss, decided before anything is
+  copied: a prompt that shares two tokens with an entry gains nothing from it.
+- A hit hands out slices of the entry's arrays, not a deep copy: MLX arrays are never
+  written in place through a slice, and mlx-lm copies a row's cache into the batch
+  (``BatchKVCache.merge``), so nothing ever writes to an entry.
+- A stored row's arrays are evaluated when stored (``mx.async_eval``, off the host's
+  critical path). Left lazy, each entry would keep the whole batch's KV buffer of its
+  step alive, so memory would grow far past the budget it counts.
+
+A cache type without ``merge`` (``QuantizedKVCache``) cannot join a batch with history:
+such a model never hits and every row prefills in full, as it would without the cache.
+Pinned to mlx-lm 0.32.2.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
-    LRUPromptCache,
+    KVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
@@ -29,17 +47,18 @@ from mlx_lm.models.cache import (
 
 log = logging.getLogger("mlxq.worker")
 
-#: Entries kept at most, whatever their size: each insert and eviction walks the LRU order.
-MAX_ENTRIES = 512
-#: A prefix shared by jobs of one burst is prefilled once, alone, when it is at least this
-#: long; shorter ones cost less than the extra forward pass saves.
+#: Entries kept at most, whatever their size.
+MAX_ENTRIES = 1024
+#: Fewest cached tokens worth a hit, and fewest tokens worth keeping: below this the copy
+#: into the batch costs about what the prefill it saves would.
+MIN_REUSE = 32
+#: A prefix shared by jobs of one burst is prefilled once, alone, when the cache lacks at
+#: least this many of its tokens; shorter ones cost less than the extra forward pass saves.
 MIN_SHARED_PREFIX = 32
 #: Without a device memory size (the CPU): a fixed budget.
 CPU_DEFAULT_BYTES = 1 << 30
 #: Of the device's recommended working set, the share the cache may hold by default.
 DEVICE_SHARE = 0.25
-#: The trie is keyed by model too; one engine serves one model.
-_MODEL_KEY = "model"
 
 
 def default_budget() -> int:
@@ -49,11 +68,84 @@ def default_budget() -> int:
         info = mx.device_info()
     except Exception:  # an MLX build without it: the CPU default
         return CPU_DEFAULT_BYTES
+    if mx.default_device() == mx.cpu:
+        return CPU_DEFAULT_BYTES
     for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
         size = info.get(key)
         if isinstance(size, int) and size > 0:
             return int(size * DEVICE_SHARE)
     return CPU_DEFAULT_BYTES
+
+
+@dataclass(eq=False)
+class _Entry:
+    tokens: tuple[int, ...]
+    cache: list[Any]
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    entry: _Entry | None = None
+
+
+class _Trie:
+    """Entries by their tokens; a node without an entry always has children (a removal
+    prunes the branch it empties), so a walk down any child reaches an entry."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def add(self, entry: _Entry) -> _Entry | None:
+        node = self.root
+        for t in entry.tokens:
+            node = node.children.setdefault(t, _Node())
+        prev, node.entry = node.entry, entry
+        return prev
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        path = [self.root]
+        for t in tokens:
+            nxt = path[-1].children.get(t)
+            if nxt is None:
+                return
+            path.append(nxt)
+        path[-1].entry = None
+        for i in range(len(tokens), 0, -1):
+            if path[i].children or path[i].entry is not None:
+                break
+            del path[i - 1].children[tokens[i - 1]]
+
+    def prefixes(self, tokens: Sequence[int]) -> list[_Entry]:
+        """Entries whose tokens are a proper prefix of ``tokens``."""
+        out, node = [], self.root
+        for t in tokens[:-1]:
+            node = node.children.get(t)  # type: ignore[assignment]
+            if node is None:
+                break
+            if node.entry is not None:
+                out.append(node.entry)
+        return out
+
+    def nearest(self, tokens: Sequence[int]) -> tuple[_Entry | None, int, _Entry | None, int]:
+        """The longest entry that is a prefix of ``tokens`` (and its length), and an entry
+        sharing more of ``tokens`` than that one (and how many it shares)."""
+        node, depth = self.root, 0
+        prefix: _Entry | None = None
+        prefix_len = 0
+        for t in tokens:
+            child = node.children.get(t)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+            if node.entry is not None:
+                prefix, prefix_len = node.entry, depth
+        if depth <= prefix_len:
+            return prefix, prefix_len, None, 0
+        while node.entry is None:  # any entry below shares the walked tokens
+            node = next(iter(node.children.values()))
+        return prefix, prefix_len, node.entry, depth
 
 
 class PromptCache:
@@ -84,53 +176,77 @@ class PromptCache:
                 "prompt cache: this model's KV cache cannot join a batch with history; "
                 "every prompt is prefilled in full"
             )
-        self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=max_bytes)
+        self.clear()
 
     @property
     def nbytes(self) -> int:
-        return int(self._lru.nbytes)
+        return self._nbytes
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def clear(self) -> None:
-        self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=self.max_bytes)
+        self._trie = _Trie()
+        self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._nbytes = 0
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
-        """A copy of the cache of ``tokens``' longest cached prefix, and how many tokens it
-        holds; always at least one token short of ``tokens`` (a cache covering the whole
-        prompt is trimmed by one, as mlx-lm refuses an empty rest). ``(None, 0)``: a miss."""
-        if not self.mergeable or len(tokens) < 2:
+        """The cache of ``tokens``' longest cached prefix, and how many tokens it holds;
+        always at least one token short of ``tokens`` (mlx-lm refuses an empty rest) and
+        at least :data:`MIN_REUSE` long. ``(None, 0)``: a miss."""
+        if not self.mergeable or len(tokens) <= MIN_REUSE:
             return None, 0
-        ids = list(tokens)
-        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, ids)
-        if cache is None:
-            return None, 0
-        if not rest:
-            if not can_trim_prompt_cache(cache):
-                return None, 0
-            trim_prompt_cache(cache, 1)
-            rest = ids[-1:]
-        held = len(ids) - len(rest)
-        return (cache, held) if held > 0 else (None, 0)
+        prefix, prefix_len, longer, shared = self._trie.nearest(tokens)
+        last = len(tokens) - 1
+        for entry, n in ((longer, min(shared, last)), (prefix, min(prefix_len, last))):
+            if entry is None or n < MIN_REUSE:
+                continue
+            cache = _first(entry, n)
+            if cache is not None:
+                self._lru.move_to_end(entry.tokens)
+                return cache, n
+        return None, 0
 
-    def store(self, tokens: Sequence[int], cache: list[Any], *, kind: str = "assistant") -> None:
-        """Keep ``cache``, the KV state of exactly ``tokens``; one larger than the whole
-        budget is dropped (it would only push everything else out, then itself)."""
-        if not self.mergeable or not tokens or not cache:
+    def store(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Keep ``cache``, the KV state of exactly ``tokens``. One shorter than
+        :data:`MIN_REUSE` or larger than the whole budget is dropped (it would only push
+        everything else out, then itself); entries it extends are dropped for it when
+        it can be trimmed back to them."""
+        if not self.mergeable or len(tokens) < MIN_REUSE or not cache:
             return
-        if sum(c.nbytes for c in cache) > self.max_bytes:
+        cache = [_compact(c) for c in cache]
+        nbytes = sum(c.nbytes for c in cache)
+        if nbytes > self.max_bytes:
             return
-        self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
+        mx.async_eval([a for c in cache for a in _arrays(c)])
+        entry = _Entry(tuple(tokens), cache, nbytes)
+        prev = self._trie.add(entry)
+        if prev is not None:
+            self._drop_counted(prev)
+        self._lru[entry.tokens] = entry
+        self._nbytes += nbytes
+        if can_trim_prompt_cache(cache):
+            for covered in self._trie.prefixes(entry.tokens):
+                self._evict(covered)
+        while len(self._lru) > MAX_ENTRIES or self._nbytes > self.max_bytes:
+            self._evict(next(iter(self._lru.values())))
+
+    def _drop_counted(self, entry: _Entry) -> None:
+        self._lru.pop(entry.tokens, None)
+        self._nbytes -= entry.nbytes
+
+    def _evict(self, entry: _Entry) -> None:
+        self._trie.remove(entry.tokens)
+        self._drop_counted(entry)
 
     def prefill_shared(self, prompts: Sequence[Sequence[int]]) -> int:
         """Prefill, once each, the prefixes that several of ``prompts`` share and the cache
         lacks, and keep them; returns the tokens computed."""
-        if not self.mergeable:
+        if not self.mergeable or len(prompts) < 2:
             return 0
         computed = 0
         for prefix in shared_prefixes(prompts, MIN_SHARED_PREFIX):
-            cache, held = self.fetch([*prefix, 0])  # the prefix, whole if it is cached
+            cache, held = self.fetch([*prefix, -1])  # the prefix, whole if it is cached
             if len(prefix) - held < MIN_SHARED_PREFIX:
                 continue
             if cache is None:
@@ -141,8 +257,51 @@ class PromptCache:
                 self.model(chunk, cache=cache)
                 mx.eval([c.state for c in cache])
             computed += len(rest)
-            self.store(prefix, cache, kind="system")
+            self.store(prefix, cache)
         return computed
+
+
+def _arrays(cache: Any) -> list[mx.array]:
+    state = cache.state
+    items = state if isinstance(state, (list, tuple)) else [state]
+    out: list[mx.array] = []
+    for s in items:
+        if isinstance(s, mx.array):
+            out.append(s)
+        elif isinstance(s, (list, tuple)):
+            out.extend(x for x in s if isinstance(x, mx.array))
+    return out
+
+
+def _compact(c: Any) -> Any:
+    """A plain KV cache cut to what it holds (a prefilled one has room for 256 more)."""
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if type(c) is not KVCache or keys is None or values is None or keys.shape[2] == c.offset:
+        return c
+    out = KVCache()
+    out.keys = mx.contiguous(keys[..., : c.offset, :])
+    out.values = mx.contiguous(values[..., : c.offset, :])
+    out.offset = c.offset
+    return out
+
+
+def _first(entry: _Entry, n: int) -> list[Any] | None:
+    """A cache of the first ``n`` tokens of ``entry``, for a row of its own (None: this
+    cache type cannot be cut back to ``n``). Plain KV caches are sliced, others copied."""
+    if all(type(c) is KVCache and c.keys is not None for c in entry.cache):
+        out = []
+        for c in entry.cache:
+            k = KVCache()
+            k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+            out.append(k)
+        return out
+    excess = len(entry.tokens) - n
+    if excess and not can_trim_prompt_cache(entry.cache):
+        return None
+    cache = copy.deepcopy(entry.cache)
+    if excess:
+        trim_prompt_cache(cache, excess)
+    return cache
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], min_len: int) -> list[list[int]]:
