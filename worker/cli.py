@@ -39,6 +39,19 @@ def missing_worker_extra(e: ImportError) -> bool:
     return name.split(".")[0] in WORKER_MODULES
 
 
+def _bytes_or_auto(text: str) -> int | None:
+    """``auto`` (None: sized from the device where MLX is loaded) or bytes >= 0."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (an integer) or auto") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes >= 0 (0 turns it off) or auto")
+    return n
+
+
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="mlx-lm model path or Hugging Face repo id")
     # The environment's URL is read at run time, never shown: it may hold a password.
@@ -106,12 +119,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prompt-cache-bytes",
-        type=int,
+        type=_bytes_or_auto,
         default=c.DEFAULT_PROMPT_CACHE_BYTES,
+        metavar="BYTES",
         help="bytes of KV state kept so later jobs that start with the same tokens (a "
-        "sweep's shared prefix, a chat's history) skip that part of the prefill, e.g. "
-        "1073741824; off by default, as it slows sweeps whose prompts share nothing "
-        "(default: %(default)s)",
+        "sweep's shared prefix, a chat's history) skip that part of the prefill; 0 turns "
+        "it off (default: auto, a quarter of the GPU's working set, 1 GiB on a CPU)",
     )
     p.add_argument(
         "--log-level",

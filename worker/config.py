@@ -26,9 +26,9 @@ DEFAULT_GRACE_S = 30.0
 DEFAULT_MAX_WAIT_STEPS = 32
 #: Prometheus scrapes from another machine, as it does node exporters: every interface.
 DEFAULT_METRICS_HOST = "0.0.0.0"
-#: The prompt cache is opt-in: it pays for prompts that share a long prefix, and it cost a
-#: sweep of short unrelated jobs half its throughput on the H200 (docs/benchmarks.md).
-DEFAULT_PROMPT_CACHE_BYTES = 0
+#: The prompt cache's budget: None sizes it from the device (see
+#: ``mlxq.worker.prompt_cache.default_budget``); 0 turns it off.
+DEFAULT_PROMPT_CACHE_BYTES: int | None = None
 
 
 def default_name() -> str:
@@ -58,10 +58,8 @@ class WorkerConfig:
             (0 picks a free port).
         metrics_host: The address the metrics server binds.
         prompt_cache_bytes: Bytes of KV state kept for later jobs that start with the same
-            tokens; 0 (the default): no prompt cache; None: a quarter of the device's
-            recommended working set, 1 GiB on a CPU (decided where MLX is loaded). Off by
-            default because it costs jobs without a shared prefix: on the H200 it halved a
-            sweep of short jobs with unrelated prompts (docs/benchmarks.md).
+            tokens; None (the default): a quarter of the device's recommended working set,
+            1 GiB on a CPU (decided where MLX is loaded); 0: no prompt cache.
 
     Raises:
         ValueError: naming the field and the bad value.
