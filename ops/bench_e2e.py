@@ -370,8 +370,11 @@ def start_worker(
     exe = str(MLXQ) if MLXQ.exists() else shutil.which("mlxq") or sys.exit("mlxq not found")
     name, log = f"bench-{uuid.uuid4().hex[:8]}", work / "worker.log"
     window = [] if args.window_ms is None else ["--window-ms", str(args.window_ms)]
+    cache = (
+        [] if args.prompt_cache_bytes is None else ["--prompt-cache-bytes", args.prompt_cache_bytes]
+    )
     cmd = [exe, "worker", "--model", str(model_dir), "--redis-url", url, "--queue", queue]
-    cmd += ["--max-batch", str(args.batch), "--name", name, *window]
+    cmd += ["--max-batch", str(args.batch), "--name", name, *window, *cache]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     r = redis.Redis.from_url(url)
@@ -590,6 +593,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="model dtype (default bfloat16; tiny: float32, as CPUs run half precision slowly)",
     )
     ap.add_argument("--window-ms", type=float, help="the worker's --window-ms (default: its own)")
+    ap.add_argument(
+        "--prompt-cache-bytes",
+        help="the worker's --prompt-cache-bytes (default: its own; 0 turns the cache off)",
+    )
     ap.add_argument("--redis-url", help="use this Redis (default: start a private one)")
     ap.add_argument(
         "--json",

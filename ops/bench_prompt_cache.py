@@ -7,8 +7,14 @@ the worker does. Reported per mode: prompt tokens run through the model, wall ti
 cache's lookups and hits; then the off/on ratios, and whether every job's tokens are the
 same in both modes (they must be).
 
+With ``--chat-turns N`` it runs a chat instead: N turns, each resending the whole history
+(system prompt, every user message and reply so far) through the model's chat template,
+on an idle engine; it reports each turn's time to first token, cache off and on, and the
+last turn's over the first's.
+
 Usage:
     python ops/bench_prompt_cache.py                       # tiny model, ~a minute on CPU
+    python ops/bench_prompt_cache.py --chat-turns 20       # the 20-turn chat
     python ops/bench_prompt_cache.py --jobs 2000 --prefix 1000 --suffix 30 \\
         --max-tokens 16 --batch 64 --shape 0.5b            # the issue's GPU target
     python ops/bench_prompt_cache.py --model PATH --json out.json
@@ -86,6 +92,91 @@ def run(
     }
 
 
+WORDS = [
+    "the",
+    "boats",
+    "harbour",
+    "dawn",
+    "wind",
+    "rope",
+    "sail",
+    "tide",
+    "gull",
+    "net",
+    "lamp",
+    "stone",
+    "quay",
+    "bell",
+    "fog",
+]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def chat(model: Any, tok: Any, args: argparse.Namespace, cache_bytes: int) -> dict[str, Any]:
+    """One chat of ``args.chat_turns`` turns on an idle engine; each turn's TTFT."""
+    engine = Engine(model, tok, max_batch=args.batch, prompt_cache_bytes=cache_bytes)
+    rng = random.Random(args.seed)
+    messages = [{"role": "system", "content": _words(rng, args.prefix)}]
+    ttfts, lengths, replies = [], [], []
+    for turn in range(args.chat_turns):
+        messages.append({"role": "user", "content": f"{turn}: " + _words(rng, args.suffix)})
+        req = GenerationRequest(messages=messages, max_tokens=args.max_tokens)
+        job = Job(f"turn{turn}", req, engine.encode(req))
+        job.start("bench", engine.new_detokenizer)
+        t0 = time.perf_counter()
+        engine.add([job])
+        while not job.choices[0].generated:
+            engine.step()
+        ttfts.append(time.perf_counter() - t0)
+        while engine.active:
+            engine.step()
+        lengths.append(len(job.prompt_ids))
+        replies.append(job.token_ids)
+        text = tok.decode(job.token_ids)
+        messages.append({"role": "assistant", "content": text})
+    return {
+        "ttft_ms": [round(t * 1e3, 2) for t in ttfts],
+        "prompt_tokens": lengths,
+        "prompt_tokens_cached": engine.counters.prompt_tokens_cached,
+        "outputs": replies,
+    }
+
+
+def main_chat(model: Any, tok: Any, path: str, args: argparse.Namespace) -> None:
+    print(
+        f"model {path}: a {args.chat_turns}-turn chat, system prompt of {args.prefix} words, "
+        f"{args.suffix} words a user turn, {args.max_tokens} tokens a reply"
+    )
+    chat(model, tok, argparse.Namespace(**{**vars(args), "chat_turns": 2}), 0)  # warm-up
+    off = chat(model, tok, args, 0)
+    on = chat(model, tok, args, args.cache_bytes)
+    print(f"{'turn':>4}{'prompt tokens':>15}{'TTFT off ms':>13}{'TTFT on ms':>12}")
+    for i, (n, a, b) in enumerate(
+        zip(off["prompt_tokens"], off["ttft_ms"], on["ttft_ms"], strict=True)
+    ):
+        print(f"{i + 1:>4}{n:>15}{a:>13.1f}{b:>12.1f}")
+    for name, r in (("cache off", off), ("cache on", on)):
+        first, last = r["ttft_ms"][0], r["ttft_ms"][-1]
+        print(f"{name}: TTFT last turn / first = {last:.1f} / {first:.1f} ms = {last / first:.2f}x")
+    same = off["outputs"] == on["outputs"]
+    print(f"outputs identical: {same}")
+    if args.json:
+        doc = {"args": vars(args), "model": path, "outputs_identical": same}
+        doc.update(
+            {
+                k: {x: y for x, y in r.items() if x != "outputs"}
+                for k, r in (("off", off), ("on", on))
+            }
+        )
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if not same:
+        raise SystemExit("outputs differ between cache off and on")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="an mlx-lm model directory (default: a random one, --shape)")
@@ -102,12 +193,21 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--cache-bytes", type=int, default=1 << 30, help="the cached run's budget")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chat-turns",
+        type=int,
+        default=0,
+        help="run a chat of this many turns instead of the sweep (--prefix: system prompt "
+        "words, --suffix: words a user turn, --max-tokens: tokens a reply)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
     path = _model_path(args)
     loaded = mlx_lm.load(path)
     model, tok = loaded[0], loaded[1]
+    if args.chat_turns:
+        return main_chat(model, tok, path, args)
     vocab = len(tok.vocab)
     prompts = _prompts(args, vocab)
     print(
