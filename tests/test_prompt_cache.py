@@ -241,6 +241,49 @@ def test_a_stored_row_holds_its_own_memory_not_its_batchs(loaded):
     assert held < 1.5 * engine.prompt_cache_bytes + (8 << 20), (held, engine.prompt_cache_bytes)
 
 
+def test_the_radix_tree_finds_what_a_scan_of_every_entry_finds():
+    """Random adds and removals over a small alphabet (so edges split and fold often):
+    the tree's nearest entries agree with a scan of every entry."""
+    import random
+
+    from mlxq.worker.prompt_cache import _Entry, _Trie
+
+    rng = random.Random(7)
+    trie, live = _Trie(), {}
+
+    def common(a, b):
+        return next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+
+    for _ in range(3000):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
+        if rng.random() < 0.35 and live:
+            gone = rng.choice(list(live))
+            trie.remove(list(gone))
+            del live[gone]
+        elif rng.random() < 0.6:
+            e = _Entry(tokens, [], 0)
+            prev, above = trie.add(e)
+            assert prev is live.get(tuple(tokens))
+            assert {tuple(a.tokens) for a in above} == {
+                k for k in live if len(k) < len(tokens) and tuple(tokens[: len(k)]) == k
+            }
+            live[tuple(tokens)] = e
+        prefix, plen, longer, shared = trie.nearest(tokens)
+        prefixes = [k for k in live if tuple(tokens[: len(k)]) == k]
+        want_plen = max(map(len, prefixes), default=0)
+        assert plen == want_plen and (prefix is None) == (not prefixes)
+        if prefix is not None:
+            assert tuple(prefix.tokens) == tuple(tokens[:plen])
+        best = max((common(k, tokens) for k in live), default=0)
+        if best > want_plen:
+            assert longer is not None and shared == best
+            assert common(longer.tokens, tokens) == best
+        else:
+            assert longer is None
+
+
 def test_shared_prefixes_group_neighbours():
     a, b = [1] * 40, [2] * 40
     assert shared_prefixes([[*a, 5], [*a, 6], [*b, 7]], 32) == [a]

@@ -10,9 +10,10 @@ prefilled.
 What keeps it cheap enough to be on by default (each of these cost the e2e benchmark a
 large share of its speed on the H200 when it was missing):
 
-- A lookup walks a token trie once; any entry below the point where the walk stops
-  shares the whole walked prefix, so the first one found serves (mlx-lm's
-  ``PromptTrie.search`` looks for the shortest, which walks every branch below: tens of
+- A lookup walks a radix tree of tokens once (a shared run of tokens is one list
+  comparison); any entry below the point where the walk stops shares the whole walked
+  prefix, so the first one found serves (mlx-lm's ``PromptTrie`` walks token by token
+  and looks for the shortest such entry, which visits every branch below: tens of
   milliseconds per lookup for a sweep's hundreds of entries).
 - A hit shorter than :data:`MIN_REUSE` tokens is a miss, decided before anything is
   copied: a prompt that shares two tokens with an entry gains nothing from it.
@@ -34,7 +35,6 @@ import copy
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -77,75 +77,111 @@ def default_budget() -> int:
     return CPU_DEFAULT_BYTES
 
 
-@dataclass(eq=False)
 class _Entry:
-    tokens: tuple[int, ...]
-    cache: list[Any]
-    nbytes: int
+    """One cached state: hashed by identity, so the LRU never hashes its tokens."""
+
+    __slots__ = ("cache", "nbytes", "tokens")
+
+    def __init__(self, tokens: list[int], cache: list[Any], nbytes: int) -> None:
+        self.tokens, self.cache, self.nbytes = tokens, cache, nbytes
 
 
-@dataclass(eq=False)
 class _Node:
-    children: dict[int, _Node] = field(default_factory=dict)
-    entry: _Entry | None = None
+    __slots__ = ("children", "entry", "label")
+
+    def __init__(self, label: list[int]) -> None:
+        self.label = label  # the tokens on the edge from the parent
+        self.children: dict[int, _Node] = {}  # by the first token of their label
+        self.entry: _Entry | None = None
+
+
+def _matched(label: list[int], tokens: Sequence[int], at: int) -> int:
+    """How many of ``label``'s tokens ``tokens`` has from ``at`` on."""
+    n = len(label)
+    if tokens[at : at + n] == label:
+        return n
+    m = 0
+    for x, y in zip(label, tokens[at : at + n], strict=False):
+        if x != y:
+            break
+        m += 1
+    return m
 
 
 class _Trie:
-    """Entries by their tokens; a node without an entry always has children (a removal
-    prunes the branch it empties), so a walk down any child reaches an entry."""
+    """Entries by their tokens, in a radix tree: an edge holds a run of tokens, so a
+    sweep's shared 1,000-token prefix is one list comparison, not 1,000 steps. A node
+    without an entry always has children (a removal prunes the branch it empties), so a
+    walk down any child reaches an entry."""
 
     def __init__(self) -> None:
-        self.root = _Node()
+        self.root = _Node([])
 
-    def add(self, entry: _Entry) -> _Entry | None:
-        node = self.root
-        for t in entry.tokens:
-            node = node.children.setdefault(t, _Node())
+    def add(self, entry: _Entry) -> tuple[_Entry | None, list[_Entry]]:
+        """Put ``entry`` in; returns the entry it replaced (same tokens) and the entries
+        whose tokens are a proper prefix of its, met on the way down."""
+        tokens, node, d, above = entry.tokens, self.root, 0, []
+        while d < len(tokens):
+            if node.entry is not None:
+                above.append(node.entry)
+            child = node.children.get(tokens[d])
+            if child is None:
+                node.children[tokens[d]] = child = _Node(tokens[d:])
+                node, d = child, len(tokens)
+                break
+            m = _matched(child.label, tokens, d)
+            if m < len(child.label):  # split the edge where they part
+                mid = _Node(child.label[:m])
+                child.label = child.label[m:]
+                mid.children[child.label[0]] = child
+                node.children[tokens[d]] = child = mid
+            node, d = child, d + m
         prev, node.entry = node.entry, entry
-        return prev
+        return prev, above
 
     def remove(self, tokens: Sequence[int]) -> None:
-        path = [self.root]
-        for t in tokens:
-            nxt = path[-1].children.get(t)
-            if nxt is None:
+        path, d = [self.root], 0
+        while d < len(tokens):
+            child = path[-1].children.get(tokens[d])
+            if child is None or _matched(child.label, tokens, d) < len(child.label):
                 return
-            path.append(nxt)
-        path[-1].entry = None
-        for i in range(len(tokens), 0, -1):
-            if path[i].children or path[i].entry is not None:
-                break
-            del path[i - 1].children[tokens[i - 1]]
-
-    def prefixes(self, tokens: Sequence[int]) -> list[_Entry]:
-        """Entries whose tokens are a proper prefix of ``tokens``."""
-        out, node = [], self.root
-        for t in tokens[:-1]:
-            node = node.children.get(t)  # type: ignore[assignment]
-            if node is None:
-                break
-            if node.entry is not None:
-                out.append(node.entry)
-        return out
+            path.append(child)
+            d += len(child.label)
+        node = path.pop()
+        if node is self.root:
+            return
+        node.entry = None
+        if not node.children:
+            del path[-1].children[node.label[0]]
+            node = path[-1]
+        if node is not self.root and node.entry is None and len(node.children) == 1:
+            (only,) = node.children.values()  # fold the lone child into its parent
+            node.label = node.label + only.label
+            node.children, node.entry = only.children, only.entry
 
     def nearest(self, tokens: Sequence[int]) -> tuple[_Entry | None, int, _Entry | None, int]:
         """The longest entry that is a prefix of ``tokens`` (and its length), and an entry
         sharing more of ``tokens`` than that one (and how many it shares)."""
-        node, depth = self.root, 0
+        node, d = self.root, 0
         prefix: _Entry | None = None
         prefix_len = 0
-        for t in tokens:
-            child = node.children.get(t)
+        while True:
+            if node.entry is not None:
+                prefix, prefix_len = node.entry, d
+            if d == len(tokens):
+                break
+            child = node.children.get(tokens[d])
             if child is None:
                 break
-            node, depth = child, depth + 1
-            if node.entry is not None:
-                prefix, prefix_len = node.entry, depth
-        if depth <= prefix_len:
+            m = _matched(child.label, tokens, d)
+            node, d = child, d + m
+            if m < len(child.label):
+                break
+        if d <= prefix_len:
             return prefix, prefix_len, None, 0
         while node.entry is None:  # any entry below shares the walked tokens
             node = next(iter(node.children.values()))
-        return prefix, prefix_len, node.entry, depth
+        return prefix, prefix_len, node.entry, d
 
 
 class PromptCache:
@@ -187,7 +223,7 @@ class PromptCache:
 
     def clear(self) -> None:
         self._trie = _Trie()
-        self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._lru: OrderedDict[_Entry, None] = OrderedDict()
         self._nbytes = 0
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
@@ -203,7 +239,7 @@ class PromptCache:
                 continue
             cache = _first(entry, n)
             if cache is not None:
-                self._lru.move_to_end(entry.tokens)
+                self._lru.move_to_end(entry)
                 return cache, n
         return None, 0
 
@@ -219,20 +255,20 @@ class PromptCache:
         if nbytes > self.max_bytes:
             return
         mx.async_eval([a for c in cache for a in _arrays(c)])
-        entry = _Entry(tuple(tokens), cache, nbytes)
-        prev = self._trie.add(entry)
+        entry = _Entry(list(tokens), cache, nbytes)
+        prev, covered = self._trie.add(entry)
         if prev is not None:
             self._drop_counted(prev)
-        self._lru[entry.tokens] = entry
+        self._lru[entry] = None
         self._nbytes += nbytes
         if can_trim_prompt_cache(cache):
-            for covered in self._trie.prefixes(entry.tokens):
-                self._evict(covered)
+            for e in covered:
+                self._evict(e)
         while len(self._lru) > MAX_ENTRIES or self._nbytes > self.max_bytes:
-            self._evict(next(iter(self._lru.values())))
+            self._evict(next(iter(self._lru)))
 
     def _drop_counted(self, entry: _Entry) -> None:
-        self._lru.pop(entry.tokens, None)
+        self._lru.pop(entry, None)
         self._nbytes -= entry.nbytes
 
     def _evict(self, entry: _Entry) -> None:
