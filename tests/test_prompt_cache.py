@@ -241,6 +241,34 @@ def test_a_stored_row_holds_its_own_memory_not_its_batchs(loaded):
     assert held < 1.5 * engine.prompt_cache_bytes + (8 << 20), (held, engine.prompt_cache_bytes)
 
 
+def test_rows_on_one_entry_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    model, _ = loaded
+    pc = PromptCache(model, 1 << 30)
+    t = list(range(20, 120))
+    pc.store(t, _prefilled(model, t))
+    rows = [pc.fetch([*t[:80], 500 + i, 7])[0] for i in range(3)]  # one entry, 80 tokens
+    odd = pc.fetch([*t[:60], 9, 9])[0]  # the same entry, shorter
+    assert all(r is not None for r in rows) and odd is not None
+
+    def plain(c):
+        k = KVCache()
+        k.keys, k.values, k.offset = mx.array(c.keys), mx.array(c.values), c.offset
+        return k
+
+    for layer in range(len(model.layers)):
+        for group in ([r[layer] for r in rows], [rows[0][layer], odd[layer], rows[1][layer]]):
+            got = type(group[0]).merge(group)
+            want = BatchKVCache.merge([plain(c) for c in group])
+            assert got._idx == want._idx
+            assert mx.array_equal(got.left_padding, want.left_padding).item()
+            assert mx.array_equal(got.offset, want.offset).item()
+            assert mx.array_equal(got.keys, want.keys).item()
+            assert mx.array_equal(got.values, want.values).item()
+
+
 def test_the_radix_tree_finds_what_a_scan_of_every_entry_finds():
     """Random adds and removals over a small alphabet (so edges split and fold often):
     the tree's nearest entries agree with a scan of every entry."""

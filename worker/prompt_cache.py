@@ -39,6 +39,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
+    BatchKVCache,
     KVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
@@ -309,14 +310,52 @@ def _arrays(cache: Any) -> list[mx.array]:
     return out
 
 
+class _RowKV(KVCache):  # type: ignore[misc]
+    """A row's cached prefix: the first ``offset`` tokens of one entry's arrays.
+
+    Rows admitted together that start from the same entry at the same length (a sweep's
+    batch on its shared prefix) merge into the batch with one broadcast copy per layer;
+    mlx-lm's ``BatchKVCache.merge`` writes each row separately (64 copies a layer for a
+    batch of 64, most of a cached batch's prefill time on the H200). Any other mix
+    merges as mlx-lm does."""
+
+    def __init__(self, keys: mx.array, values: mx.array, n: int, source: object) -> None:
+        super().__init__()
+        self.keys, self.values, self.offset = keys[..., :n, :], values[..., :n, :], n
+        self.source = source
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> Any:
+        first = caches[0]
+        same = all(
+            type(c) is _RowKV and c.source is first.source and c.offset == first.offset
+            for c in caches
+        )
+        if not same or len(caches) == 1:
+            return BatchKVCache.merge(caches)
+        n, shape = first.offset, (len(caches), *first.keys.shape[1:])
+        out: Any = BatchKVCache([0] * len(caches))
+        out.keys = mx.contiguous(mx.broadcast_to(first.keys, shape))
+        out.values = mx.contiguous(
+            mx.broadcast_to(first.values, (shape[0], *first.values.shape[1:]))
+        )
+        out.offset += n
+        out._idx = n
+        return out
+
+
+def _plain(c: Any) -> bool:
+    return type(c) in (KVCache, _RowKV) and c.keys is not None and c.values is not None
+
+
 def _compact(c: Any) -> Any:
-    """A plain KV cache cut to what it holds (a prefilled one has room for 256 more)."""
-    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-    if type(c) is not KVCache or keys is None or values is None or keys.shape[2] == c.offset:
+    """A plain KV cache of exactly what ``c`` holds (a prefilled one has room for 256
+    more; a row's cached prefix would keep a reference to the entry it came from)."""
+    if not _plain(c) or (type(c) is KVCache and c.keys.shape[2] == c.offset):  # type: ignore[union-attr]
         return c
-    out = KVCache()
-    out.keys = mx.contiguous(keys[..., : c.offset, :])
-    out.values = mx.contiguous(values[..., : c.offset, :])
+    out: Any = KVCache()
+    out.keys = mx.contiguous(c.keys[..., : c.offset, :])
+    out.values = mx.contiguous(c.values[..., : c.offset, :])
     out.offset = c.offset
     return out
 
@@ -324,13 +363,8 @@ def _compact(c: Any) -> Any:
 def _first(entry: _Entry, n: int) -> list[Any] | None:
     """A cache of the first ``n`` tokens of ``entry``, for a row of its own (None: this
     cache type cannot be cut back to ``n``). Plain KV caches are sliced, others copied."""
-    if all(type(c) is KVCache and c.keys is not None for c in entry.cache):
-        out = []
-        for c in entry.cache:
-            k = KVCache()
-            k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-            out.append(k)
-        return out
+    if all(_plain(c) for c in entry.cache):
+        return [_RowKV(c.keys, c.values, n, entry) for c in entry.cache]
     excess = len(entry.tokens) - n
     if excess and not can_trim_prompt_cache(entry.cache):
         return None
