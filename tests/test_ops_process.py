@@ -237,7 +237,10 @@ def test_errors_are_one_line_with_what_to_do(redis_server, tiny_model, tmp_path)
     runs.append(["info", "--redis-url", dead, "--log-level", "DEBUG"])
     runs += [["worker", "--model", m, "--redis-url", redis_server.url] for m, _ in models]
     runs.append(["submit", "x", "--top-p", "3", "--redis-url", redis_server.url])
+    runs.append(["worker", "--model", str(tiny_model), "--prompt-cache-bytes", "lots"])
     outs = mlxq_all(runs)
+    cache = outs.pop()
+    assert cache.returncode == 2 and "--prompt-cache-bytes: 'lots': give bytes" in cache.stderr
     for out in outs[: len(unreachable)]:
         _one_line(out, "cannot reach Redis", "redis://mlxq:***@127.0.0.1", "redis-server")
         assert "s3cret" not in out.stderr and out.returncode == 1

@@ -405,7 +405,7 @@ def test_a_redis_restart_during_a_cached_job_loses_and_repeats_nothing(
     url = persistent_redis.url
     off_queue = queue_name + "-off"
     start_worker(queue=off_queue, redis_url=url, prompt_cache_bytes=0)
-    start_worker(redis_url=url, window_ms=0)  # the default budget: the cache is on
+    start_worker(redis_url=url, window_ms=0, prompt_cache_bytes="auto")  # sized from the device
     on, off = Client(url, queue=queue_name), Client(url, queue=off_queue)
     on.submit(PREFIX + QUESTIONS[0], max_tokens=4).result(timeout=120)
     no_eos = {t: -100.0 for t in loaded[1].eos_token_ids}  # it runs its 900 tokens

@@ -246,7 +246,7 @@ class Engine:
         max_batch: int = 32,
         prefill_step_size: int = 2048,
         max_kv_size: int | None = None,
-        prompt_cache_bytes: int | None = None,
+        prompt_cache_bytes: int | None = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
