@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mlxq.producer import Client
+from mlxq.producer import Client, JobFailed
 from mlxq.producer.params import GenerationRequest, SamplingParams
 
 mlx_lm = pytest.importorskip("mlx_lm")
@@ -372,7 +372,9 @@ def test_workers_with_and_without_the_cache_agree_and_count(redis_server, queue_
 
 
 @pytest.mark.e2e
-def test_cancel_then_restart_leave_the_cache_sound(redis_server, queue_name, start_worker):
+def test_cancel_failure_and_restart_leave_the_cache_sound(
+    redis_server, queue_name, start_worker, loaded
+):
     off_queue = queue_name + "-off"
     start_worker(queue=off_queue, prompt_cache_bytes=0)
     worker = start_worker(window_ms=0, prompt_cache_bytes=1 << 30)
@@ -383,6 +385,11 @@ def test_cancel_then_restart_leave_the_cache_sound(redis_server, queue_name, sta
     next(it)
     assert running.cancel() is True
     assert list(it)[-1].finish_reason == "canceled"
+    assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
+    no_eos = {t: -100.0 for t in loaded[1].eos_token_ids}
+    slow = on.submit(PREFIX + QUESTIONS[1], max_tokens=900, logit_bias=no_eos, timeout=0.5)
+    with pytest.raises(JobFailed, match="timeout"):
+        slow.result(timeout=120)
     assert on.submit(PREFIX + QUESTIONS[1], max_tokens=8).result(timeout=120).token_ids == want
     worker.stop()
     start_worker(prompt_cache_bytes=1 << 30)  # a new process: its cache starts empty
