@@ -29,6 +29,7 @@ import tempfile
 import time
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm
 
 from mlxq.producer.params import GenerationRequest
@@ -69,13 +70,31 @@ def run(
         job.start("bench", engine.new_detokenizer)
         jobs.append(job)
     pending = list(jobs)
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
+    admits, in_add, in_step = 0, 0.0, 0.0
     while pending or engine.active:
         if pending and engine.free_slots:
             n = engine.free_slots
+            a = time.perf_counter()
             engine.add(pending[:n])
+            in_add += time.perf_counter() - a
             pending = pending[n:]
+            admits += 1
+            if args.trace and admits % args.trace == 0:
+                now = time.perf_counter()
+                pc = engine.prompt_cache
+                print(
+                    f"  cache={cache_bytes} admit {admits}: {now - t0:.2f} s "
+                    f"(last {now - last:.2f} s), "
+                    f"add {in_add:.2f} s, step {in_step:.2f} s, active memory "
+                    f"{mx.get_active_memory() / 2**30:.2f} GiB, entries {len(pc) if pc else 0}, "
+                    f"counted {engine.prompt_cache_bytes / 2**30:.2f} GiB",
+                    flush=True,
+                )
+                last = now
+        s = time.perf_counter()
         engine.step()
+        in_step += time.perf_counter() - s
     wall = time.perf_counter() - t0
     c = engine.counters
     return {
@@ -202,6 +221,14 @@ def main() -> None:
         default=0,
         help="run a chat of this many turns instead of the sweep (--prefix: system prompt "
         "words, --suffix: words a user turn, --max-tokens: tokens a reply)",
+    )
+    p.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N admissions, print the time so far (in add and in step), active memory "
+        "and the cache's entries (default: 0, quiet)",
     )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
