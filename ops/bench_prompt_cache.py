@@ -36,6 +36,45 @@ from mlxq.producer.params import GenerationRequest
 from mlxq.worker.engine import Engine
 from mlxq.worker.jobs import Job
 
+#: With ``--trace``: seconds spent in each of these, where a cached run's time goes.
+PHASES: dict[str, float] = {}
+
+
+def _timed(owner: Any, name: str, label: str, sync: bool) -> None:
+    """Wrap ``owner.name`` (a method or classmethod) to add its seconds to PHASES[label];
+    with ``sync``, wait for the device after each call so its work is counted there."""
+    raw = owner.__dict__[name]
+    func = raw.__func__ if isinstance(raw, classmethod) else raw
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return func(*a, **kw)
+        finally:
+            if sync:
+                mx.synchronize()
+            PHASES[label] = PHASES.get(label, 0.0) + time.perf_counter() - t
+
+    setattr(owner, name, classmethod(wrapper) if isinstance(raw, classmethod) else wrapper)
+
+
+def trace_phases(sync: bool) -> None:
+    from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxq.worker import prompt_cache
+
+    for owner, name, label in [
+        (prompt_cache.PromptCache, "fetch", "cache fetch"),
+        (prompt_cache.PromptCache, "store", "cache store"),
+        (prompt_cache.PromptCache, "prefill_shared", "shared prefill"),
+        (prompt_cache._RowKV, "merge", "merge (one entry)"),
+        (BatchKVCache, "merge", "merge (mlx-lm)"),
+        (PromptProcessingBatch, "prompt", "prefill"),
+        (GenerationBatch, "next", "decode"),
+    ]:
+        _timed(owner, name, label, sync)
+
 
 def _model_path(args: argparse.Namespace) -> str:
     if args.model:
@@ -64,6 +103,7 @@ def run(
 ) -> dict[str, Any]:
     engine = Engine(model, tok, max_batch=args.batch, prompt_cache_bytes=cache_bytes)
     req = GenerationRequest(prompt="x", max_tokens=args.max_tokens)
+    PHASES.clear()
     jobs = []
     for i, ids in enumerate(prompts):
         job = Job(f"j{i}", req, ids)
@@ -83,12 +123,13 @@ def run(
             if args.trace and admits % args.trace == 0:
                 now = time.perf_counter()
                 pc = engine.prompt_cache
+                phases = ", ".join(f"{k} {v:.2f}" for k, v in PHASES.items())
                 print(
                     f"  cache={cache_bytes} admit {admits}: {now - t0:.2f} s "
                     f"(last {now - last:.2f} s), "
                     f"add {in_add:.2f} s, step {in_step:.2f} s, active memory "
                     f"{mx.get_active_memory() / 2**30:.2f} GiB, entries {len(pc) if pc else 0}, "
-                    f"counted {engine.prompt_cache_bytes / 2**30:.2f} GiB",
+                    f"counted {engine.prompt_cache_bytes / 2**30:.2f} GiB; s in {phases}",
                     flush=True,
                 )
                 last = now
@@ -227,12 +268,21 @@ def main() -> None:
         type=int,
         default=0,
         metavar="N",
-        help="every N admissions, print the time so far (in add and in step), active memory "
-        "and the cache's entries (default: 0, quiet)",
+        help="every N admissions, print the time so far (in add and in step, and in each "
+        "phase: lookups, stores, merges, prefill, decode), active memory and the cache's "
+        "entries (default: 0, quiet)",
+    )
+    p.add_argument(
+        "--trace-sync",
+        action="store_true",
+        help="with --trace, wait for the device after each phase so its GPU time is "
+        "counted there (slower; default: off)",
     )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
+    if args.trace:
+        trace_phases(args.trace_sync)
     path = _model_path(args)
     loaded = mlx_lm.load(path)
     model, tok = loaded[0], loaded[1]
