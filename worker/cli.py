@@ -230,11 +230,7 @@ def run_worker(args: argparse.Namespace) -> int:
         raise SetupError(problem)
     _check_redis(config.redis_url)
     try:
-        engine: Any = Engine.load(
-            config.model,
-            max_batch=config.max_batch,
-            prompt_cache_bytes=config.prompt_cache_bytes,
-        )
+        engine: Any = Engine.for_worker(config)
     except Exception as e:
         raise SetupError(_load_problem(config.model, e)) from e
     return Worker(config, engine).run()

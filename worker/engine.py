@@ -39,6 +39,7 @@ from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step
 from mlxq.batching.rows import RowSampler
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
+from mlxq.worker.config import WorkerConfig
 from mlxq.worker.jobs import Job
 from mlxq.worker.prompt_cache import PromptCache, default_budget
 
@@ -283,6 +284,15 @@ class Engine:
         self.reset()
 
     @classmethod
+    def for_worker(cls, config: WorkerConfig) -> Engine:
+        """The engine a worker's config asks for: its model, batch and prompt cache."""
+        return cls.load(
+            config.model,
+            max_batch=config.max_batch,
+            prompt_cache_bytes=config.prompt_cache_bytes,
+        )
+
+    @classmethod
     def load(cls, path_or_repo: str, **kw: Any) -> Engine:
         """Load any mlx-lm model path or Hugging Face repo id."""
         from mlx_lm import load
@@ -366,11 +376,12 @@ class Engine:
         stops = [self._stop_tokens(job) for job, _ in rows]
         prompts = [job.prompt_ids for job, _ in rows]
         caches, held = self._cached(prompts)
+        cached = caches is not None
         uids = self._gen.insert(
-            [p[n:] for p, n in zip(prompts, held, strict=True)],
+            [p[n:] for p, n in zip(prompts, held, strict=True)] if cached else prompts,
             max_tokens=[job.request.max_tokens for job, _ in rows],
             caches=caches,
-            all_tokens=[p[:n] for p, n in zip(prompts, held, strict=True)],
+            all_tokens=[p[:n] for p, n in zip(prompts, held, strict=True)] if cached else None,
             stop_sequences=[StopSequences([[t] for t in sorted(s)]) for s in stops],
         )
         for uid, (job, i), stop in zip(uids, rows, stops, strict=True):

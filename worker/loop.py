@@ -62,9 +62,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
         self.config = config
         self.name = config.worker_name
-        self.engine = engine or Engine.load(
-            config.model, max_batch=config.max_batch, prompt_cache_bytes=config.prompt_cache_bytes
-        )
+        self.engine = engine or Engine.for_worker(config)
         self.bridge = Bridge(config)
         self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.jobs: dict[str, Job] = {}  # every job past the prefetcher, until settled
