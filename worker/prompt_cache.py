@@ -96,7 +96,7 @@ class _Node:
         self.entry: _Entry | None = None
 
 
-def _matched(label: list[int], tokens: Sequence[int], at: int) -> int:
+def _matched(label: Sequence[int], tokens: Sequence[int], at: int) -> int:
     """How many of ``label``'s tokens ``tokens`` has from ``at`` on."""
     n = len(label)
     if tokens[at : at + n] == label:
@@ -395,7 +395,7 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], min_len: int) -> list[list
 
     for p in ordered:
         if group:
-            n = _common(group[-1], p)
+            n = _matched(group[-1], p, 0)
             if n >= min_len:
                 group.append(p)
                 common = min(common, n)
@@ -405,12 +405,3 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], min_len: int) -> list[list
     if group:
         close()
     return out
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
