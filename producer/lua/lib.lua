@@ -23,6 +23,16 @@ local function record_ttl(v, default, cap)
   return math.floor(n)
 end
 
+-- Delete ``k`` when it holds another type than ``want``; returns that type, else nil.
+local function drop_wrong_type(k, want)
+  local t = redis.call('TYPE', k)['ok']
+  if t ~= want and t ~= 'none' then
+    redis.call('DEL', k)
+    return t
+  end
+  return nil
+end
+
 -- A job's keys made the wrong type (a rogue SET) make every write to them raise, and a
 -- script that raises drops the writes of every other job it carries. So a script looks at
 -- a job's keys before it writes them: its result log, execution index and execution of
@@ -33,11 +43,8 @@ end
 local function heal(id, wip, fields, exec)
   local notes = {}
   local function check(k, want)
-    local t = redis.call('TYPE', k)['ok']
-    if t ~= want and t ~= 'none' then
-      redis.call('DEL', k)
-      notes[#notes + 1] = k .. ' was a ' .. t
-    end
+    local t = drop_wrong_type(k, want)
+    if t then notes[#notes + 1] = k .. ' was a ' .. t end
   end
   check(K_RESULTS .. id, 'stream')
   check(K_EXECUTIONS .. id, 'zset')

@@ -53,8 +53,7 @@ for i = 8, #ARGV, 3 do
     if attempt == 1 then
       redis.call('DEL', stream)
     else
-      local t = redis.call('TYPE', stream)['ok']
-      if t ~= 'stream' and t ~= 'none' then redis.call('DEL', stream) end
+      drop_wrong_type(stream, 'stream')
     end
     out[#out + 1] = {id, 'ok', note}
   end
