@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from procs import start_redis, stop, wait_for
+from procs import start_redis, start_worker, stop
 
 from mlxq.producer import Client
 from mlxq.producer.info import collect
@@ -42,34 +41,10 @@ COUNTERS = (
 )
 
 
-def start_workers(n: int, model: str, url: str, queue: str, work: Path) -> list[Any]:
-    import subprocess
-
-    procs = []
-    r = redis.Redis.from_url(url)
+def start_workers(n: int, model: str, url: str, queue: str, work: Path, started: list[Any]) -> None:
     for i in range(n):
-        name, log = f"cw{i}-{uuid.uuid4().hex[:6]}", work / f"worker{i}.log"
-        cmd = [sys.executable, "-m", "mlxq.worker", "--model", model, "--redis-url", url]
-        cmd += [
-            "--queue",
-            queue,
-            "--name",
-            name,
-            "--max-batch",
-            "16",
-            "--prompt-cache-bytes",
-            "auto",
-        ]
-        proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        wait_for(
-            f"worker {name}",
-            lambda name=name: any(w["name"] == name for w in collect(r)["workers"]),
-            proc,
-            log,
-            300,
-        )
-        procs.append(proc)
-    return procs
+        extra = ["--max-batch", "16", "--prompt-cache-bytes", "auto"]
+        start_worker(model, url, queue, work / f"worker{i}.log", extra, started=started)
 
 
 def run_chats(url: str, queue: str, args: argparse.Namespace) -> float:
@@ -143,7 +118,7 @@ def main() -> None:
         queue = f"cw-{uuid.uuid4().hex[:6]}"
         procs: list[Any] = []
         try:
-            procs = start_workers(n, model, url, queue, work)
+            start_workers(n, model, url, queue, work, procs)
             wall = run_chats(url, queue, args)
             t = totals(url, queue, args.chats * args.turns)
         finally:

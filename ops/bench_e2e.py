@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -47,11 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import procs
 import redis
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
-from procs import start_redis, stop, wait_for
+from procs import start_redis, stop
 
 from mlxq.producer import AsyncClient, AsyncJob, Client, Job, Result
 from mlxq.producer.info import collect
@@ -105,7 +105,6 @@ _WORDS = (
 )
 WORDS = _WORDS.split()
 WAIT_S = 3600.0  # for any one result: a run that takes longer is broken, not slow
-MLXQ = Path(sys.executable).with_name("mlxq")
 NOTE = """\
 /paired: tok/s vs the direct run of the same params; /shared: vs direct-shared
 wCPU+ms/job: worker CPU per job beyond direct (less the paired direct run's CPU; below
@@ -367,23 +366,13 @@ def measure_ttft(direct: Direct, mq: Mlxq, prompts: list[str], tokens: int) -> d
 def start_worker(
     model_dir: Path, url: str, queue: str, args: argparse.Namespace, work: Path
 ) -> tuple[str, subprocess.Popen[bytes]]:
-    exe = str(MLXQ) if MLXQ.exists() else shutil.which("mlxq") or sys.exit("mlxq not found")
-    name, log = f"bench-{uuid.uuid4().hex[:8]}", work / "worker.log"
     window = [] if args.window_ms is None else ["--window-ms", str(args.window_ms)]
     cache = (
         [] if args.prompt_cache_bytes is None else ["--prompt-cache-bytes", args.prompt_cache_bytes]
     )
-    cmd = [exe, "worker", "--model", str(model_dir), "--redis-url", url, "--queue", queue]
-    cmd += ["--max-batch", str(args.batch), "--name", name, *window, *cache]
+    extra = ["--max-batch", str(args.batch), *window, *cache]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    r = redis.Redis.from_url(url)
-
-    def up() -> bool:
-        return any(w["name"] == name for w in collect(r)["workers"])
-
-    wait_for("mlxq worker", up, proc, log, 600)
-    return name, proc
+    return procs.start_worker(model_dir, url, queue, work / "worker.log", extra, env=env)
 
 
 def model_dir_for(args: argparse.Namespace, work: Path) -> Path:

@@ -56,25 +56,14 @@ import openai
 import redis
 from procs import free_port, stop, wait_for
 from procs import start_redis as start_private_redis
+from procs import start_worker as start_mlxq_worker
+from words import WORDS as ALL_WORDS
 
 from mlxq.producer import Client
 from mlxq.producer.info import collect
 
 MLXQ = Path(sys.executable).with_name("mlxq")
-WORDS = [
-    "river",
-    "stone",
-    "lamp",
-    "harbor",
-    "winter",
-    "copper",
-    "garden",
-    "signal",
-    "orchard",
-    "violet",
-    "thunder",
-    "ladder",
-]
+WORDS = ALL_WORDS[:12]
 WAIT_S = 1800.0  # for any one stream: longer is broken, not slow
 
 
@@ -102,17 +91,11 @@ def start_redis(work: Path, procs: list[subprocess.Popen[bytes]]) -> str:
 def start_worker(
     model: str, url: str, queue: str, batch: int, work: Path, procs: list[subprocess.Popen[bytes]]
 ) -> tuple[str, subprocess.Popen[bytes]]:
-    name, log = f"bench-{uuid.uuid4().hex[:8]}", work / "worker.log"
-    cmd = [str(MLXQ), "worker", "--model", model, "--redis-url", url, "--queue", queue]
-    proc = spawn([*cmd, "--max-batch", str(batch), "--name", name], log, procs)
-    r = redis.Redis.from_url(url)
-
-    def up() -> bool:
-        return any(w["name"] == name for w in collect(r)["workers"])
-
-    wait_for("mlxq worker", up, proc, log, 600)
-    r.close()
-    return name, proc
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("MLXQ_API_KEY", None)
+    return start_mlxq_worker(
+        model, url, queue, work / "worker.log", ["--max-batch", str(batch)], env=env, started=procs
+    )
 
 
 def start_gateway(

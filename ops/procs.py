@@ -1,4 +1,5 @@
-"""The processes the ops scripts start and stop: a private redis-server, waits, stops.
+"""The processes the ops scripts start and stop: a private redis-server, workers, waits,
+stops.
 
 Imported by the scripts beside it (``python ops/bench_e2e.py`` puts ``ops/`` on the path).
 """
@@ -10,10 +11,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import redis
+
+from mlxq.producer.info import collect
+
+MLXQ = Path(sys.executable).with_name("mlxq")
 
 
 def free_port() -> int:
@@ -54,6 +60,42 @@ def start_redis(work: Path, extra: Sequence[str] = ()) -> tuple[str, subprocess.
 
     wait_for("redis-server", up, proc, log, 30)
     return url, proc
+
+
+def start_worker(
+    model: str | Path,
+    url: str,
+    queue: str,
+    log: Path,
+    extra: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    started: list[subprocess.Popen[bytes]] | None = None,
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """``mlxq worker`` serving ``queue`` (with ``extra`` options), returned once ``mlxq
+    info`` lists it: its name and process. The process joins ``started`` at once, so a
+    caller's cleanup stops it even when it never comes up."""
+    exe = str(MLXQ) if MLXQ.exists() else shutil.which("mlxq") or sys.exit("mlxq not found")
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    cmd = [exe, "worker", "--model", str(model), "--redis-url", url, "--queue", queue]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--name", name, *extra], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    if started is not None:
+        started.append(proc)
+    r = redis.Redis.from_url(url)
+    try:
+        wait_for(
+            "mlxq worker",
+            lambda: any(w["name"] == name for w in collect(r)["workers"]),
+            proc,
+            log,
+            600,
+        )
+    finally:
+        r.close()
+    return name, proc
 
 
 def stop(proc: subprocess.Popen[bytes] | None, within: float = 60) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.registry import StartedJobRegistry, clean_registries
+from words import WORDS
 
 from mlxq.producer import Client, Job, JobFailed
 from mlxq.producer.codec import MsgpackSerializer
@@ -60,25 +61,6 @@ from mlxq.producer.keys import (
 QUEUE = "soak"
 MAX_BATCH = 32
 TERMINAL = ("finished", "failed", "canceled")
-WORDS = [
-    "river",
-    "stone",
-    "lamp",
-    "harbor",
-    "winter",
-    "copper",
-    "garden",
-    "signal",
-    "orchard",
-    "violet",
-    "thunder",
-    "ladder",
-    "meadow",
-    "candle",
-    "engine",
-    "quiet",
-    "falcon",
-]
 # The five sampling-param groups; the fifth (seeded) is built per job.
 GROUPS = [
     {},
