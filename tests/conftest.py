@@ -85,20 +85,7 @@ class RedisServer:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
-    _close_clients()
     server.stop()
-
-
-def _close_clients() -> None:
-    """Close the clients tests left open, before their Redis goes: else each one's stream
-    subscriber logs, after the summary, that it lost Redis and retries."""
-    import gc
-
-    from mlxq.producer import Client
-
-    for obj in gc.get_objects():
-        if isinstance(obj, Client):
-            obj.close()
 
 
 @pytest.fixture
