@@ -19,6 +19,7 @@ output; it keeps no record of its own beyond the uid of each row.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,7 @@ from mlx_lm.generate import (
     PromptProcessingBatch,
     StopSequences,
 )
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import apply
@@ -41,7 +43,7 @@ from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.jobs import Job
-from mlxq.worker.prompt_cache import PromptCache, default_budget
+from mlxq.worker.prompt_cache import PromptCache, default_budget, row_cache
 
 #: What OpenAI reports for a token that cannot be sampled at all (log-prob -inf).
 LOGPROB_FLOOR = -9999.0
@@ -113,9 +115,23 @@ class _BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
     becomes one :func:`~mlxq.batching.logprobs.step_logprobs` for the rows that asked
     (none asked: nothing is computed)."""
 
+    #: Whether finished rows' caches are wanted (the engine keeps a prompt cache). mlx-lm
+    #: copies every layer of each finished row, waiting for the device once a layer; kept
+    #: rows are views here (the prompt cache copies what it keeps), and unwanted ones cost
+    #: nothing.
+    keep_caches = False
+
     def __init__(self, *args: Any, **kw: Any) -> None:
         self._history: TokenHistory | None = None
         super().__init__(*args, **kw)
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        if not self.keep_caches:
+            return []
+        padding = None
+        if self.prompt_cache and isinstance(self.prompt_cache[0], BatchKVCache):
+            padding = cast(int, self.prompt_cache[0].left_padding[idx].item())
+        return [row_cache(c, idx, padding) for c in self.prompt_cache]
 
     def _step(self) -> Any:
         return _counted_step(self, self._batched_step)
@@ -194,6 +210,17 @@ def _ints(tokens: Any) -> list[int]:
 
 
 class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
+    def split(self, indices: list[int]) -> Any:
+        # Every row at once (a burst's rows all reach their last prompt token together):
+        # hand the rows over as they are; mlx-lm copies the whole batch's cache first.
+        if sorted(indices) != list(range(len(self.uids))):
+            return super().split(indices)
+        moved = copy.copy(self)
+        self.uids, self.prompt_cache, self.tokens = [], [], []
+        self.samplers, self.logits_processors, self.max_tokens = [], [], []
+        self.stop_sequences = []
+        return moved
+
     def generate(self, tokens: list[list[int]]) -> Any:
         # mlx-lm's own, but the new rows join a _BoundGenerationBatch, whose constructor
         # samples (and counts) their first token.
@@ -217,12 +244,15 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
 
 
 class _Generator(BatchGenerator):  # type: ignore[misc]
-    def __init__(self, model: Any, sampler: RowSampler, **kw: Any) -> None:
+    def __init__(
+        self, model: Any, sampler: RowSampler, *, keep_caches: bool = False, **kw: Any
+    ) -> None:
         super().__init__(model, sampler=sampler, **kw)
         self._prompt_batch = _BoundPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
         self._generation_batch = _BoundGenerationBatch.empty(self.model, self.sampler)
+        self._generation_batch.keep_caches = keep_caches
 
 
 class Engine:
@@ -307,7 +337,9 @@ class Engine:
             self.prompt_cache.clear()
         self.sampler = RowSampler(self.vocab_size, self._eos)
         self.sampler.counters = self.counters  # type: ignore[attr-defined]
-        self._gen = _Generator(self.model, self.sampler, **self._kw)
+        self._gen = _Generator(
+            self.model, self.sampler, keep_caches=self.prompt_cache is not None, **self._kw
+        )
         self._rows.clear()
         self._uids_of.clear()
         self._stops.clear()

@@ -35,7 +35,7 @@ import copy
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -251,11 +251,17 @@ class PromptCache:
         it can be trimmed back to them."""
         if not self.mergeable or len(tokens) < MIN_REUSE or not cache:
             return
-        cache = [_compact(c) for c in cache]
-        nbytes = sum(c.nbytes for c in cache)
+        packed = _packed(cache)
+        if packed is None:
+            cache = [_compact(c) for c in cache]
+            arrays = [a for c in cache for a in _arrays(c)]
+            nbytes = sum(c.nbytes for c in cache)
+        else:
+            cache, block = packed
+            arrays, nbytes = [block], block.nbytes
         if nbytes > self.max_bytes:
             return
-        mx.async_eval([a for c in cache for a in _arrays(c)])
+        mx.async_eval(arrays)
         entry = _Entry(list(tokens), cache, nbytes)
         prev, covered = self._trie.add(entry)
         if prev is not None:
@@ -331,14 +337,18 @@ class _RowKV(KVCache):  # type: ignore[misc]
             type(c) is _RowKV and c.source is first.source and c.offset == first.offset
             for c in caches
         )
-        if not same or len(caches) == 1:
+        if not same:
             return BatchKVCache.merge(caches)
-        n, shape = first.offset, (len(caches), *first.keys.shape[1:])
-        out: Any = BatchKVCache([0] * len(caches))
-        out.keys = mx.contiguous(mx.broadcast_to(first.keys, shape))
-        out.values = mx.contiguous(
-            mx.broadcast_to(first.values, (shape[0], *first.values.shape[1:]))
-        )
+        n, b = first.offset, len(caches)
+        # Room for the rest of the prompts past the copy, as mlx-lm's own prefill would
+        # leave; without it their first forward pass allocates and copies every layer again.
+        size = (n // BatchKVCache.step + 2) * BatchKVCache.step
+        out: Any = BatchKVCache([0] * b)
+        for name in ("keys", "values"):
+            a = getattr(first, name)
+            buf = mx.zeros((b, a.shape[1], size, a.shape[3]), a.dtype)
+            buf[..., :n, :] = mx.broadcast_to(a, (b, *a.shape[1:]))
+            setattr(out, name, buf)
         out.offset += n
         out._idx = n
         return out
@@ -346,6 +356,42 @@ class _RowKV(KVCache):  # type: ignore[misc]
 
 def _plain(c: Any) -> bool:
     return type(c) in (KVCache, _RowKV) and c.keys is not None and c.values is not None
+
+
+def _packed(cache: list[Any]) -> tuple[list[Any], mx.array] | None:
+    """Plain KV caches of one row, copied into one array (every layer's keys and values
+    stacked) and handed back as views of it; None when the layers differ in shape or
+    type. One allocation and one copy an entry instead of two a layer: on the GPU each
+    allocation and each free costs far more than the copy (CUDA's managed memory)."""
+    if not all(_plain(c) for c in cache):
+        return None
+    parts = [a[..., : c.offset, :] for c in cache for a in (c.keys, c.values)]
+    first = parts[0]
+    if any(a.shape != first.shape or a.dtype != first.dtype for a in parts):
+        return None
+    block = mx.stack(parts)
+    out = []
+    for i, c in enumerate(cache):
+        kv: Any = KVCache()
+        kv.keys, kv.values, kv.offset = block[2 * i], block[2 * i + 1], c.offset
+        out.append(kv)
+    return out, block
+
+
+def row_cache(cache: Any, idx: int, padding: int | None = None) -> Any:
+    """Row ``idx`` of a batch's cache as a plain cache viewing the batch's arrays (no
+    copy: :meth:`PromptCache.store` copies what it keeps, once for all layers); mlx-lm's
+    ``extract`` copies each layer and waits for the device once a layer. ``padding``:
+    the row's left padding, when the caller knows it. Other cache types: ``extract``."""
+    if type(cache) is not BatchKVCache or cache.keys is None:
+        return cache.extract(idx)
+    if padding is None:
+        padding = cast(int, cache.left_padding[idx].item())
+    out: Any = KVCache()
+    out.keys = cache.keys[idx : idx + 1, :, padding : cache._idx]
+    out.values = cache.values[idx : idx + 1, :, padding : cache._idx]
+    out.offset = cache._idx - padding
+    return out
 
 
 def _compact(c: Any) -> Any:
