@@ -241,27 +241,41 @@ def test_a_stored_row_holds_its_own_memory_not_its_batchs(loaded):
     assert held < 1.5 * engine.prompt_cache_bytes + (8 << 20), (held, engine.prompt_cache_bytes)
 
 
-def test_rows_on_one_entry_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
+def test_cached_rows_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
+    """Rows on one entry at one length (the broadcast), rows from one entry at two lengths
+    and from two entries (the packed blocks), and a cached row beside a fresh one (mlx-lm's
+    merge): each gives, layer by layer, the state mlx-lm's merge gives for plain copies."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
     model, _ = loaded
     pc = PromptCache(model, 1 << 30)
-    t = list(range(20, 120))
+    t, u = list(range(20, 120)), list(range(300, 390))
     pc.store(t, _prefilled(model, t))
+    pc.store(u, _prefilled(model, u))
     rows = [pc.fetch([*t[:80], 500 + i, 7])[0] for i in range(3)]  # one entry, 80 tokens
     odd = pc.fetch([*t[:60], 9, 9])[0]  # the same entry, shorter
-    assert all(r is not None for r in rows) and odd is not None
+    other = pc.fetch([*u[:70], 9, 9])[0]  # another entry
+    fresh = _prefilled(model, list(range(600, 640)))
+    assert all(r is not None for r in [*rows, odd, other])
 
     def plain(c):
         k = KVCache()
-        k.keys, k.values, k.offset = mx.array(c.keys), mx.array(c.values), c.offset
+        k.keys = mx.array(c.keys[..., : c.offset, :])
+        k.values = mx.array(c.values[..., : c.offset, :])
+        k.offset = c.offset
         return k
 
-    for layer in range(len(model.layers)):
-        for group in ([r[layer] for r in rows], [rows[0][layer], odd[layer], rows[1][layer]]):
-            got = type(group[0]).merge(group)
-            want = BatchKVCache.merge([plain(c) for c in group])
+    groups = [
+        [rows[0], rows[1], rows[2]],
+        [rows[0], odd, rows[1]],
+        [other, rows[2], odd, other],
+        [rows[1], fresh],
+    ]
+    for group in groups:
+        merged = [type(group[0][i]).merge([g[i] for g in group]) for i in range(len(model.layers))]
+        for layer, got in enumerate(merged):
+            want = BatchKVCache.merge([plain(g[layer]) for g in group])
             assert got._idx == want._idx
             assert mx.array_equal(got.left_padding, want.left_padding).item()
             assert mx.array_equal(got.offset, want.offset).item()

@@ -23,6 +23,13 @@ large share of its speed on the H200 when it was missing):
 - A stored row's arrays are evaluated when stored (``mx.async_eval``, off the host's
   critical path). Left lazy, each entry would keep the whole batch's KV buffer of its
   step alive, so memory would grow far past the budget it counts.
+- A stored row is one array (every layer's keys and values stacked), its layers views of
+  it: one allocation and one free an entry, where separate arrays cost two a layer. On
+  CUDA, MLX's buffers are managed memory, freed with ``cudaFree`` each time mlx-lm
+  clears the buffer cache (every prefill step); allocations and frees, not the bytes
+  copied, are what a stored row costs there.
+- Finished rows reach the cache as views of the batch (:func:`row_cache`): the one copy
+  is the stacking above.
 
 A cache type without ``merge`` (``QuantizedKVCache``) cannot join a batch with history:
 such a model never hits and every row prefills in full, as it would without the cache.
@@ -79,12 +86,15 @@ def default_budget() -> int:
 
 
 class _Entry:
-    """One cached state: hashed by identity, so the LRU never hashes its tokens."""
+    """One cached state: hashed by identity, so the LRU never hashes its tokens.
+    ``block``: every layer's keys and values in one array, when the state is packed."""
 
-    __slots__ = ("cache", "nbytes", "tokens")
+    __slots__ = ("block", "cache", "nbytes", "tokens")
 
-    def __init__(self, tokens: list[int], cache: list[Any], nbytes: int) -> None:
-        self.tokens, self.cache, self.nbytes = tokens, cache, nbytes
+    def __init__(
+        self, tokens: list[int], cache: list[Any], nbytes: int, block: mx.array | None = None
+    ) -> None:
+        self.tokens, self.cache, self.nbytes, self.block = tokens, cache, nbytes, block
 
 
 class _Node:
@@ -252,6 +262,7 @@ class PromptCache:
         if not self.mergeable or len(tokens) < MIN_REUSE or not cache:
             return
         packed = _packed(cache)
+        block = None
         if packed is None:
             cache = [_compact(c) for c in cache]
             arrays = [a for c in cache for a in _arrays(c)]
@@ -262,7 +273,7 @@ class PromptCache:
         if nbytes > self.max_bytes:
             return
         mx.async_eval(arrays)
-        entry = _Entry(list(tokens), cache, nbytes)
+        entry = _Entry(list(tokens), cache, nbytes, block)
         prev, covered = self._trie.add(entry)
         if prev is not None:
             self._drop_counted(prev)
@@ -316,42 +327,91 @@ def _arrays(cache: Any) -> list[mx.array]:
     return out
 
 
+class _Hit:
+    """One row's cached prefix, shared by its layers: the entry and how many of its tokens.
+    The first layer's merge leaves every layer's merged state here for the others."""
+
+    __slots__ = ("entry", "merged", "n")
+
+    def __init__(self, entry: _Entry, n: int) -> None:
+        self.entry, self.n = entry, n
+        self.merged: tuple[tuple[int, ...], mx.array, list[int], int] | None = None
+
+
 class _RowKV(KVCache):  # type: ignore[misc]
-    """A row's cached prefix: the first ``offset`` tokens of one entry's arrays.
+    """One layer of a row's cached prefix: the first ``offset`` tokens of an entry's arrays.
 
-    Rows admitted together that start from the same entry at the same length (a sweep's
-    batch on its shared prefix) merge into the batch with one broadcast copy per layer;
-    mlx-lm's ``BatchKVCache.merge`` writes each row separately (64 copies a layer for a
-    batch of 64, most of a cached batch's prefill time on the H200). Any other mix
-    merges as mlx-lm does."""
+    mlx-lm's ``BatchKVCache.merge`` writes each row of each layer separately: 64 copies
+    a layer, 3,072 for a batch of 64 on a 24-layer model, most of a cached batch's prefill
+    time on the H200. Here rows that start from one entry at one length (a sweep's batch
+    on its shared prefix) join with one broadcast copy a layer; rows from several packed
+    entries (chats) with one padded copy an entry and one concatenation for all layers,
+    taken by the first layer's merge and viewed by the others. Any other mix merges as
+    mlx-lm does."""
 
-    def __init__(self, keys: mx.array, values: mx.array, n: int, source: object) -> None:
+    def __init__(self, keys: mx.array, values: mx.array, hit: _Hit, layer: int) -> None:
         super().__init__()
+        n = hit.n
         self.keys, self.values, self.offset = keys[..., :n, :], values[..., :n, :], n
-        self.source = source
+        self.hit, self.layer = hit, layer
 
     @classmethod
     def merge(cls, caches: list[Any]) -> Any:
-        first = caches[0]
-        same = all(
-            type(c) is _RowKV and c.source is first.source and c.offset == first.offset
-            for c in caches
-        )
-        if not same:
+        if not all(type(c) is _RowKV for c in caches):
             return BatchKVCache.merge(caches)
-        n, b = first.offset, len(caches)
-        # Room for the rest of the prompts past the copy, as mlx-lm's own prefill would
-        # leave; without it their first forward pass allocates and copies every layer again.
-        size = (n // BatchKVCache.step + 2) * BatchKVCache.step
-        out: Any = BatchKVCache([0] * b)
-        for name in ("keys", "values"):
-            a = getattr(first, name)
-            buf = mx.zeros((b, a.shape[1], size, a.shape[3]), a.dtype)
-            buf[..., :n, :] = mx.broadcast_to(a, (b, *a.shape[1:]))
-            setattr(out, name, buf)
-        out.offset += n
-        out._idx = n
-        return out
+        first = caches[0]
+        if all(c.hit.entry is first.hit.entry and c.offset == first.offset for c in caches):
+            return _broadcast(first, len(caches))
+        if all(c.hit.entry.block is not None for c in caches):
+            return _from_blocks([c.hit for c in caches], first.layer)
+        return BatchKVCache.merge(caches)
+
+
+def _room(n: int) -> int:
+    """A batch cache's length for ``n`` cached tokens with room for the rest of the prompts,
+    as mlx-lm's own prefill would leave: without it their first forward pass allocates
+    and copies every layer again."""
+    return (n // BatchKVCache.step + 2) * BatchKVCache.step
+
+
+def _broadcast(row: _RowKV, b: int) -> Any:
+    n = row.offset
+    out: Any = BatchKVCache([0] * b)
+    for name in ("keys", "values"):
+        a = getattr(row, name)
+        buf = mx.zeros((b, a.shape[1], _room(n), a.shape[3]), a.dtype)
+        buf[..., :n, :] = mx.broadcast_to(a, (b, *a.shape[1:]))
+        setattr(out, name, buf)
+    out.offset += n
+    out._idx = n
+    return out
+
+
+def _from_blocks(hits: list[_Hit], layer: int) -> Any:
+    key = tuple(id(h) for h in hits)
+    memo = hits[0].merged
+    if memo is None or memo[0] != key:
+        m = max(h.n for h in hits)
+        size = _room(m)
+        padded: dict[tuple[int, int], mx.array] = {}
+        parts = []
+        for h in hits:
+            part = padded.get((id(h.entry), h.n))
+            if part is None:
+                block = cast(mx.array, h.entry.block)[..., : h.n, :]
+                pad = [(0, 0)] * 3 + [(m - h.n, size - m), (0, 0)]
+                part = padded[(id(h.entry), h.n)] = mx.pad(block, pad)
+            parts.append(part)
+        memo = (key, mx.concatenate(parts, axis=1), [m - h.n for h in hits], m)
+        hits[0].merged = memo
+    _, merged, padding, m = memo
+    out: Any = BatchKVCache(padding)
+    out.keys, out.values = merged[2 * layer], merged[2 * layer + 1]
+    out.offset += m
+    out._idx = m
+    if layer == len(hits[0].entry.cache) - 1:
+        hits[0].merged = None  # the last layer: the batch's caches hold what they need
+    return out
 
 
 def _plain(c: Any) -> bool:
@@ -410,7 +470,8 @@ def _first(entry: _Entry, n: int) -> list[Any] | None:
     """A cache of the first ``n`` tokens of ``entry``, for a row of its own (None: this
     cache type cannot be cut back to ``n``). Plain KV caches are sliced, others copied."""
     if all(_plain(c) for c in entry.cache):
-        return [_RowKV(c.keys, c.values, n, entry) for c in entry.cache]
+        hit = _Hit(entry, n)
+        return [_RowKV(c.keys, c.values, hit, i) for i, c in enumerate(entry.cache)]
     excess = len(entry.tokens) - n
     if excess and not can_trim_prompt_cache(entry.cache):
         return None
