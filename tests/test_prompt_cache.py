@@ -77,6 +77,32 @@ def test_outputs_are_the_same_with_and_without_the_cache(loaded, seeded, at_once
     assert 0 < cached.prompt_cache_bytes <= 1 << 30
 
 
+def test_a_burst_of_hits_on_two_entries_and_misses_decodes_as_without_the_cache(loaded):
+    """Rows on two different cached prefixes and rows with nothing cached, admitted
+    together with a miss first: the batch is merged by the cache's block merge."""
+    other = "Reply in the style below. " + " ".join(f"note {i}: the quay" for i in range(80))
+    warm = [PREFIX + QUESTIONS[0], other + QUESTIONS[1]]
+    burst = [
+        "Where do the gulls sleep?",
+        PREFIX + QUESTIONS[2],
+        other + QUESTIONS[3] + " Say more.",
+        "What rings the bell in fog?",
+        PREFIX + QUESTIONS[4] + " And why?",
+    ]
+
+    def run(engine: Engine) -> list[list[int]]:
+        out = _run(engine, [GenerationRequest(prompt=p, max_tokens=8) for p in warm], at_once=1)
+        before = engine.counters.prompt_cache_hits
+        reqs = [GenerationRequest(prompt=p, max_tokens=8) for p in burst]
+        out += _run(engine, reqs, at_once=len(burst))
+        assert engine.counters.prompt_cache_hits - before == (3 if engine.prompt_cache else 0)
+        return out
+
+    plain = Engine(*loaded, max_batch=8, prompt_cache_bytes=0)
+    cached = Engine(*loaded, max_batch=8, prompt_cache_bytes=1 << 30)
+    assert run(cached) == run(plain)
+
+
 def test_a_chat_turn_reuses_the_last_turns_prompt_and_reply(loaded):
     engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
     first = GenerationRequest(prompt=PREFIX, max_tokens=12)
@@ -246,7 +272,7 @@ def test_cached_rows_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
     and from two entries (the packed blocks), and a cached row beside a fresh one (mlx-lm's
     merge): each gives, layer by layer, the state mlx-lm's merge gives for plain copies."""
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache, KVCache
+    from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
     model, _ = loaded
     pc = PromptCache(model, 1 << 30)
@@ -257,10 +283,13 @@ def test_cached_rows_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
     odd = pc.fetch([*t[:60], 9, 9])[0]  # the same entry, shorter
     other = pc.fetch([*u[:70], 9, 9])[0]  # another entry
     fresh = _prefilled(model, list(range(600, 640)))
+    empty = make_prompt_cache(model)  # a miss beside hits
     assert all(r is not None for r in [*rows, odd, other])
 
     def plain(c):
         k = KVCache()
+        if c.keys is None:
+            return k
         k.keys = mx.array(c.keys[..., : c.offset, :])
         k.values = mx.array(c.values[..., : c.offset, :])
         k.offset = c.offset
@@ -271,6 +300,7 @@ def test_cached_rows_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
         [rows[0], odd, rows[1]],
         [other, rows[2], odd, other],
         [rows[1], fresh],
+        [other, empty, rows[0], empty],
     ]
     for group in groups:
         merged = [type(group[0][i]).merge([g[i] for g in group]) for i in range(len(model.layers))]

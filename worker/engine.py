@@ -405,10 +405,17 @@ class Engine:
         rows = [(job, i) for job in jobs for i in range(job.request.n)]
         if not rows:
             return
+        caches, held = self._cached([job.prompt_ids for job, _ in rows])
+        cached = caches is not None
+        if caches is not None:
+            # Hits first: mlx-lm merges a batch by its first row's cache type, and the
+            # prompt cache's merge takes misses beside hits in one copy; mlx-lm's, row by row.
+            missed = [c is None for c in caches]
+            order = sorted(range(len(rows)), key=lambda i: missed[i])
+            rows = [rows[i] for i in order]
+            caches, held = [caches[i] for i in order], [held[i] for i in order]
         stops = [self._stop_tokens(job) for job, _ in rows]
         prompts = [job.prompt_ids for job, _ in rows]
-        caches, held = self._cached(prompts)
-        cached = caches is not None
         uids = self._gen.insert(
             [p[n:] for p, n in zip(prompts, held, strict=True)] if cached else prompts,
             max_tokens=[job.request.max_tokens for job, _ in rows],

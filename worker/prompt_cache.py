@@ -357,14 +357,22 @@ class _RowKV(KVCache):  # type: ignore[misc]
 
     @classmethod
     def merge(cls, caches: list[Any]) -> Any:
-        if not all(type(c) is _RowKV for c in caches):
+        rows = [c for c in caches if type(c) is _RowKV]
+        if len(rows) < len(caches) and not all(type(c) is _RowKV or _empty(c) for c in caches):
             return BatchKVCache.merge(caches)
-        first = caches[0]
-        if all(c.hit.entry is first.hit.entry and c.offset == first.offset for c in caches):
+        first = rows[0]
+        if len(rows) == len(caches) and all(
+            c.hit.entry is first.hit.entry and c.offset == first.offset for c in caches
+        ):
             return _broadcast(first, len(caches))
-        if all(c.hit.entry.block is not None for c in caches):
-            return _from_blocks([c.hit for c in caches], first.layer)
+        if all(c.hit.entry.block is not None for c in rows):
+            return _from_blocks([c.hit if type(c) is _RowKV else None for c in caches], first)
         return BatchKVCache.merge(caches)
+
+
+def _empty(c: Any) -> bool:
+    """A row with nothing cached (a miss beside hits): all padding in a merged batch."""
+    return type(c) is KVCache and c.keys is None
 
 
 def _room(n: int) -> int:
@@ -387,30 +395,37 @@ def _broadcast(row: _RowKV, b: int) -> Any:
     return out
 
 
-def _from_blocks(hits: list[_Hit], layer: int) -> Any:
-    key = tuple(id(h) for h in hits)
-    memo = hits[0].merged
+def _from_blocks(hits: list[_Hit | None], row: _RowKV) -> Any:
+    """Layer ``row.layer`` of the batch of these rows (None: a row with nothing cached)."""
+    key = tuple(0 if h is None else id(h) for h in hits)
+    memo = row.hit.merged
     if memo is None or memo[0] != key:
-        m = max(h.n for h in hits)
+        m = max(h.n for h in hits if h is not None)
         size = _room(m)
         padded: dict[tuple[int, int], mx.array] = {}
         parts = []
         for h in hits:
-            part = padded.get((id(h.entry), h.n))
+            at = (0, 0) if h is None else (id(h.entry), h.n)
+            part = padded.get(at)
             if part is None:
-                block = cast(mx.array, h.entry.block)[..., : h.n, :]
-                pad = [(0, 0)] * 3 + [(m - h.n, size - m), (0, 0)]
-                part = padded[(id(h.entry), h.n)] = mx.pad(block, pad)
+                block = cast(mx.array, row.hit.entry.block)
+                if h is None:
+                    part = mx.zeros((*block.shape[:3], size, block.shape[4]), block.dtype)
+                else:
+                    block = cast(mx.array, h.entry.block)[..., : h.n, :]
+                    pad = [(0, 0)] * 3 + [(m - h.n, size - m), (0, 0)]
+                    part = mx.pad(block, pad)
+                padded[at] = part
             parts.append(part)
-        memo = (key, mx.concatenate(parts, axis=1), [m - h.n for h in hits], m)
-        hits[0].merged = memo
+        memo = (key, mx.concatenate(parts, axis=1), [m - (h.n if h else 0) for h in hits], m)
+        row.hit.merged = memo
     _, merged, padding, m = memo
     out: Any = BatchKVCache(padding)
-    out.keys, out.values = merged[2 * layer], merged[2 * layer + 1]
+    out.keys, out.values = merged[2 * row.layer], merged[2 * row.layer + 1]
     out.offset += m
     out._idx = m
-    if layer == len(hits[0].entry.cache) - 1:
-        hits[0].merged = None  # the last layer: the batch's caches hold what they need
+    if row.layer == len(row.hit.entry.cache) - 1:
+        row.hit.merged = None  # the last layer: the batch's caches hold what they need
     return out
 
 
