@@ -103,6 +103,32 @@ def test_a_burst_of_hits_on_two_entries_and_misses_decodes_as_without_the_cache(
     assert run(cached) == run(plain)
 
 
+def test_a_finished_rows_view_is_what_mlx_lm_extracts(loaded):
+    """Rows of three lengths (so three left paddings) mid-decode: each row's view, its
+    padding known from its token count, holds what mlx-lm's copying extract holds."""
+    import mlx.core as mx
+
+    engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
+    prompts = ["Where do the boats go?", PREFIX[:400], "Gulls " * 40]
+    jobs = []
+    for i, p in enumerate(prompts):
+        req = GenerationRequest(prompt=p, max_tokens=20)
+        jobs.append(Job(f"v{i}", req, engine.encode(req)))
+        jobs[-1].start("exec", engine.new_detokenizer)
+    engine.add(jobs)
+    for _ in range(4):
+        engine.step()
+    batch = engine._gen._generation_batch
+    assert len(batch) == 3 and len({len(t) for t in batch.tokens}) == 3
+    for i in range(3):
+        views = batch.extract_cache(i)
+        for view, c in zip(views, batch.prompt_cache, strict=True):
+            want = c.extract(i)
+            assert view.offset == want.offset == len(batch.tokens[i])
+            assert mx.array_equal(view.keys, want.keys).item()
+            assert mx.array_equal(view.values, want.values).item()
+
+
 def test_a_chat_turn_reuses_the_last_turns_prompt_and_reply(loaded):
     engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
     first = GenerationRequest(prompt=PREFIX, max_tokens=12)

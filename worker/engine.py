@@ -33,7 +33,6 @@ from mlx_lm.generate import (
     PromptProcessingBatch,
     StopSequences,
 )
-from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import apply
@@ -128,10 +127,8 @@ class _BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
     def extract_cache(self, idx: int) -> list[Any]:
         if not self.keep_caches:
             return []
-        padding = None
-        if self.prompt_cache and isinstance(self.prompt_cache[0], BatchKVCache):
-            padding = cast(int, self.prompt_cache[0].left_padding[idx].item())
-        return [row_cache(c, idx, padding) for c in self.prompt_cache]
+        n = len(self.tokens[idx])  # exactly the tokens its cache holds
+        return [row_cache(c, idx, n) for c in self.prompt_cache]
 
     def _step(self) -> Any:
         return _counted_step(self, self._batched_step)

@@ -453,15 +453,15 @@ def _packed(cache: list[Any]) -> tuple[list[Any], mx.array] | None:
     return out, block
 
 
-def row_cache(cache: Any, idx: int, padding: int | None = None) -> Any:
-    """Row ``idx`` of a batch's cache as a plain cache viewing the batch's arrays (no
-    copy: :meth:`PromptCache.store` copies what it keeps, once for all layers); mlx-lm's
-    ``extract`` copies each layer and waits for the device once a layer. ``padding``:
-    the row's left padding, when the caller knows it. Other cache types: ``extract``."""
-    if type(cache) is not BatchKVCache or cache.keys is None:
+def row_cache(cache: Any, idx: int, n: int) -> Any:
+    """Row ``idx`` of a batch's cache, which holds ``n`` tokens of it, as a plain cache
+    viewing the batch's arrays (no copy: :meth:`PromptCache.store` copies what it keeps,
+    once for all layers). mlx-lm's ``extract`` copies each layer and reads the row's
+    padding from the device once a layer, waiting for the step in flight; the host knows
+    it from ``n``. Other cache types: ``extract``."""
+    if type(cache) is not BatchKVCache or cache.keys is None or not 0 < n <= cache._idx:
         return cache.extract(idx)
-    if padding is None:
-        padding = cast(int, cache.left_padding[idx].item())
+    padding = cache._idx - n
     out: Any = KVCache()
     out.keys = cache.keys[idx : idx + 1, :, padding : cache._idx]
     out.values = cache.values[idx : idx + 1, :, padding : cache._idx]
