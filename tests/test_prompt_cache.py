@@ -361,7 +361,7 @@ def test_the_radix_tree_finds_what_a_scan_of_every_entry_finds():
             trie.remove(list(gone))
             del live[gone]
         elif rng.random() < 0.6:
-            e = _Entry(tokens, [], 0)
+            e = _Entry(tokens, 0, None, [])
             prev, above = trie.add(e)
             assert prev is live.get(tuple(tokens))
             assert {tuple(a.tokens) for a in above} == {
