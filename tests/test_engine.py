@@ -86,6 +86,28 @@ def test_rows_finishing_at_different_steps_stay_aligned(loaded):
         assert len(got[name]) <= req.max_tokens
 
 
+def test_rows_leaving_prefill_at_different_passes_decode_as_alone(loaded):
+    """With a 16-token prefill pass, prompts of about 5, 40 and 90 tokens leave prefill
+    after one, three and six passes: the batch is split part by part (mlx-lm's split),
+    not handed over whole as when every row leaves at once."""
+    model, tok = loaded
+    prompts = {
+        "short": "The harbour at dawn",
+        "mid": " ".join(["the boats go out"] * 8),
+        "long": " ".join(["gulls over the quay at dusk"] * 14),
+    }
+    jobs = {name: _req(p, 12) for name, p in prompts.items()}
+
+    def engine() -> Engine:
+        return Engine(model, tok, max_batch=8, prefill_step_size=16)
+
+    lengths = sorted(len(engine().encode(r)) for r in jobs.values())
+    assert lengths[0] <= 16 < lengths[1] <= 48 < lengths[2]
+    got = _run(engine(), jobs)
+    for name, req in jobs.items():
+        assert got[name] == _run(engine(), {name: req})[name]
+
+
 def test_multibyte_text_is_never_split(loaded):
     _, tok = loaded
     engine = _engine(loaded)
