@@ -358,7 +358,7 @@ class _RowKV(KVCache):  # type: ignore[misc]
     @classmethod
     def merge(cls, caches: list[Any]) -> Any:
         rows = [c for c in caches if type(c) is _RowKV]
-        if len(rows) < len(caches) and not all(type(c) is _RowKV or _empty(c) for c in caches):
+        if not rows or not all(type(c) is _RowKV or _empty(c) for c in caches):
             return BatchKVCache.merge(caches)
         first = rows[0]
         if len(rows) == len(caches) and all(
