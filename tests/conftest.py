@@ -17,6 +17,15 @@ import pytest
 import redis
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (`make test &`) with SIGINT ignored, and children
+    # inherit an ignored signal: the CLIs the tests interrupt would then never see Ctrl-C
+    # (`mlxq info --watch` runs on, `mlxq submit --stream` finishes with 0). A handled
+    # signal is reset to the default in a child, so handle it here.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
