@@ -402,15 +402,15 @@ def _from_blocks(hits: list[_Hit | None], row: _RowKV) -> Any:
     if memo is None or memo[0] != key:
         m = max(h.n for h in hits if h is not None)
         size = _room(m)
+        like = cast(mx.array, row.hit.entry.block)  # every packed entry's layout
         padded: dict[tuple[int, int], mx.array] = {}
         parts = []
         for h in hits:
             at = (0, 0) if h is None else (id(h.entry), h.n)
             part = padded.get(at)
             if part is None:
-                block = cast(mx.array, row.hit.entry.block)
                 if h is None:
-                    part = mx.zeros((*block.shape[:2], size, block.shape[3]), block.dtype)
+                    part = mx.zeros((*like.shape[:2], size, like.shape[3]), like.dtype)
                 else:
                     block = cast(mx.array, h.entry.block)[:, :, : h.n]
                     part = mx.pad(block, [(0, 0), (0, 0), (m - h.n, size - m), (0, 0)])
@@ -423,7 +423,7 @@ def _from_blocks(hits: list[_Hit | None], row: _RowKV) -> Any:
     out.keys, out.values = merged[2 * row.layer], merged[2 * row.layer + 1]
     out.offset += m
     out._idx = m
-    if 2 * row.layer + 2 == cast(mx.array, row.hit.entry.block).shape[0]:
+    if 2 * row.layer + 2 == merged.shape[0]:
         row.hit.merged = None  # the last layer: the batch's caches hold what they need
     return out
 
@@ -457,11 +457,11 @@ def row_cache(cache: Any, idx: int, n: int) -> Any:
     it from ``n``. Other cache types: ``extract``."""
     if type(cache) is not BatchKVCache or cache.keys is None or not 0 < n <= cache._idx:
         return cache.extract(idx)
-    padding = cache._idx - n
+    start = cache._idx - n  # past the row's left padding
     out: Any = KVCache()
-    out.keys = cache.keys[idx : idx + 1, :, padding : cache._idx]
-    out.values = cache.values[idx : idx + 1, :, padding : cache._idx]
-    out.offset = cache._idx - padding
+    out.keys = cache.keys[idx : idx + 1, :, start : cache._idx]
+    out.values = cache.values[idx : idx + 1, :, start : cache._idx]
+    out.offset = n
     return out
 
 
