@@ -104,12 +104,15 @@ def test_a_burst_of_hits_on_two_entries_and_misses_decodes_as_without_the_cache(
 
 
 def test_a_finished_rows_view_is_what_mlx_lm_extracts(loaded):
-    """Rows of three lengths (so three left paddings) mid-decode: each row's view, its
-    padding known from its token count, holds what mlx-lm's copying extract holds."""
+    """Rows of four lengths (so four left paddings) mid-decode: each row's view, its
+    padding known from its token count, holds what mlx-lm's copying extract holds; and
+    rows packed together (the whole batch, some of it, two) hold what each packs alone."""
     import mlx.core as mx
 
+    from mlxq.worker.prompt_cache import _packed, _packed_rows
+
     engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
-    prompts = ["Where do the boats go?", PREFIX[:400], "Gulls " * 40]
+    prompts = [PREFIX[:350], PREFIX[:900], "Gulls " * 140, PREFIX[:600]]  # >= MIN_REUSE tokens
     jobs = []
     for i, p in enumerate(prompts):
         req = GenerationRequest(prompt=p, max_tokens=20)
@@ -119,14 +122,20 @@ def test_a_finished_rows_view_is_what_mlx_lm_extracts(loaded):
     for _ in range(4):
         engine.step()
     batch = engine._gen._generation_batch
-    assert len(batch) == 3 and len({len(t) for t in batch.tokens}) == 3
-    for i in range(3):
+    assert len(batch) == 4 and len({len(t) for t in batch.tokens}) == 4
+    for i in range(4):
         views = batch.extract_cache(i)
         for view, c in zip(views, batch.prompt_cache, strict=True):
             want = c.extract(i)
             assert view.offset == want.offset == len(batch.tokens[i])
             assert mx.array_equal(view.keys, want.keys).item()
             assert mx.array_equal(view.values, want.values).item()
+    alone = [_packed([c.extract(i) for c in batch.prompt_cache]) for i in range(4)]
+    for rows in ([0, 1, 2, 3], [3, 0, 2], [1, 3]):
+        packed = _packed_rows([batch.extract_cache(i) for i in rows])
+        for i, block in zip(rows, packed, strict=True):
+            assert block is not None and block.shape == alone[i].shape
+            assert mx.array_equal(block, alone[i]).item()
 
 
 def test_a_chat_turn_reuses_the_last_turns_prompt_and_reply(loaded):
@@ -153,7 +162,7 @@ def test_a_chat_turn_reuses_the_last_turns_prompt_and_reply(loaded):
 
 def test_a_tiny_budget_evicts_and_changes_nothing(loaded):
     reqs = [
-        GenerationRequest(prompt=f"{i} " + PREFIX[: 200 + 40 * i], max_tokens=6) for i in range(5)
+        GenerationRequest(prompt=f"{i} " + PREFIX[: 600 + 120 * i], max_tokens=6) for i in range(5)
     ]
     probe = Engine(*loaded, max_batch=1, prompt_cache_bytes=1 << 30)
     _run(probe, reqs[:1], at_once=1)
@@ -228,13 +237,16 @@ def test_a_lookup_takes_the_longest_shared_prefix_and_never_a_short_one(loaded):
 
     model, _ = loaded
     pc = PromptCache(model, 1 << 30)
-    t = list(range(20, 220))
-    other = list(range(300, 340))
-    pc.store(t[:100], _prefilled(model, t[:100]))
+    t = list(range(20, 620))
+    other = list(range(700, 740))
+    pc.store(t[:400], _prefilled(model, t[:400]))
     assert len(pc) == 1 and pc.nbytes > 0
+    short = list(range(800, 800 + MIN_REUSE - 1))
+    pc.store(short, _prefilled(model, short))  # could never serve a hit: not kept
+    assert len(pc) == 1
     # An entry that is a prefix of the prompt; the prompt itself (cut by one, so a token
-    # is left to prefill); an entry sharing only the first 60 tokens, cut back to them.
-    for tokens, want in [(t[:150], 100), (t[:100], 99), (t[:60] + other, 60)]:
+    # is left to prefill); an entry sharing only the first 240 tokens, cut back to them.
+    for tokens, want in [(t[:600], 400), (t[:400], 399), (t[:240] + other, 240)]:
         cache, held = pc.fetch(tokens)
         assert held == want, tokens
         assert cache is not None and all(c.offset == want for c in cache)
@@ -254,14 +266,14 @@ def test_decoding_from_a_hit_leaves_the_entry_as_it_was(loaded):
 
     model, _ = loaded
     pc = PromptCache(model, 1 << 30)
-    t = list(range(20, 120))
+    t = list(range(20, 420))
     pc.store(t, _prefilled(model, t))
     before, _ = pc.fetch([*t, 5])
     assert before is not None
     keys = [mx.array(c.keys) for c in before]
-    cache, held = pc.fetch([*t[:70], 7, 8, 9])
-    assert held == 70 and cache is not None
-    model(mx.array([[7, 8, 9]]), cache=cache)  # writes past 70, where the entry has t[70:]
+    cache, held = pc.fetch([*t[:280], 7, 8, 9])
+    assert held == 280 and cache is not None
+    model(mx.array([[7, 8, 9]]), cache=cache)  # writes past 280, where the entry has t[280:]
     model(mx.array([[10]]), cache=cache)
     mx.eval([c.state for c in cache])
     after, _ = pc.fetch([*t, 5])
@@ -269,15 +281,19 @@ def test_decoding_from_a_hit_leaves_the_entry_as_it_was(loaded):
     assert all(mx.array_equal(k, c.keys).item() for k, c in zip(keys, after, strict=True))
 
 
-def test_a_stored_row_holds_its_own_memory_not_its_batchs(loaded):
+@pytest.mark.parametrize("together", [False, True])
+def test_a_stored_row_holds_its_own_memory_not_its_batchs(loaded, together):
     """A finished row's cache is a slice of the whole batch's KV buffer until evaluated:
-    kept lazy, every entry would pin a batch buffer the byte budget never counts."""
+    kept lazy, every entry would pin a batch buffer the byte budget never counts. Rows
+    finishing one at a time, and all at once (copied out of one stacked array)."""
     import gc
 
     import mlx.core as mx
 
     reqs = [
-        GenerationRequest(prompt=f"{i} " + PREFIX + QUESTIONS[i % 6], max_tokens=40 + 20 * i)
+        GenerationRequest(
+            prompt=f"{i} " + PREFIX + QUESTIONS[i % 6], max_tokens=40 if together else 40 + 20 * i
+        )
         for i in range(16)
     ]
     engine = Engine(*loaded, max_batch=16, prompt_cache_bytes=1 << 34)
@@ -302,13 +318,13 @@ def test_cached_rows_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
 
     model, _ = loaded
     pc = PromptCache(model, 1 << 30)
-    t, u = list(range(20, 120)), list(range(300, 390))
+    t, u = list(range(20, 420)), list(range(500, 860))
     pc.store(t, _prefilled(model, t))
     pc.store(u, _prefilled(model, u))
-    rows = [pc.fetch([*t[:80], 500 + i, 7])[0] for i in range(3)]  # one entry, 80 tokens
-    odd = pc.fetch([*t[:60], 9, 9])[0]  # the same entry, shorter
-    other = pc.fetch([*u[:70], 9, 9])[0]  # another entry
-    fresh = _prefilled(model, list(range(600, 640)))
+    rows = [pc.fetch([*t[:320], 900 + i, 7])[0] for i in range(3)]  # one entry, 320 tokens
+    odd = pc.fetch([*t[:240], 9, 9])[0]  # the same entry, shorter
+    other = pc.fetch([*u[:280], 9, 9])[0]  # another entry
+    fresh = _prefilled(model, list(range(950, 990)))
     empty = make_prompt_cache(model)  # a miss beside hits
     assert all(r is not None for r in [*rows, odd, other])
 

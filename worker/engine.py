@@ -42,7 +42,7 @@ from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.jobs import Job
-from mlxq.worker.prompt_cache import PromptCache, default_budget, row_cache
+from mlxq.worker.prompt_cache import MIN_REUSE, PromptCache, default_budget, row_cache
 
 #: What OpenAI reports for a token that cannot be sampled at all (log-prob -inf).
 LOGPROB_FLOOR = -9999.0
@@ -125,9 +125,9 @@ class _BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         super().__init__(*args, **kw)
 
     def extract_cache(self, idx: int) -> list[Any]:
-        if not self.keep_caches:
-            return []
         n = len(self.tokens[idx])  # exactly the tokens its cache holds
+        if not self.keep_caches or n < MIN_REUSE:  # a row too short to keep costs nothing
+            return []
         return [row_cache(c, idx, n) for c in self.prompt_cache]
 
     def _step(self) -> Any:
@@ -480,8 +480,14 @@ class Engine:
             if row is not None:
                 self._on_token(r.uid, row[0], row[1], r.token, r.finish_reason, r.logprobs)
                 touched[row[0].id] = row[0]
-            if r.finish_reason is not None:
-                self._keep(r.all_tokens, r.prompt_cache)
+        if self.prompt_cache is not None:  # rows that finished this step, stored together
+            self.prompt_cache.store_many(
+                [
+                    (r.all_tokens, r.prompt_cache)
+                    for r in responses
+                    if r.finish_reason is not None and r.all_tokens and r.prompt_cache
+                ]
+            )
         self.counters.tokens_generated += len(responses)
         return list(touched.values())
 

@@ -28,7 +28,8 @@ large share of its speed on the H200 when it was missing):
   24-layer model took 29 ms as 3,072 arrays and 18 ms as 64.
 - Finished rows reach the cache as views of the batch (:func:`row_cache`), their padding
   known on the host: mlx-lm's ``extract`` copies every layer and reads the padding from
-  the device, waiting for the decode step in flight.
+  the device, waiting for the decode step in flight. Rows too short to keep are not
+  even viewed, and rows that finish in the same step are copied out together.
 - Rows join the batch in one copy per layer (one entry, one length: a broadcast) or one
   concatenation for all layers (several entries, or hits beside misses); mlx-lm's merge
   writes each row of each layer on its own.
@@ -59,12 +60,15 @@ log = logging.getLogger("mlxq.worker")
 
 #: Entries kept at most, whatever their size.
 MAX_ENTRIES = 1024
-#: Fewest cached tokens worth a hit, and fewest tokens worth keeping: below this the copy
-#: into the batch costs about what the prefill it saves would.
-MIN_REUSE = 32
+#: Fewest cached tokens worth a hit, and fewest tokens worth keeping (an entry shorter
+#: than this could never serve a hit). On a GPU a prefill pass of a few dozen tokens a row
+#: costs about what a pass of one does, so shorter hits save nothing there; they cost the
+#: copy into the batch (on the H200, 64 rows each finding their own 44-token entry took
+#: the first token of a burst from 125 to 298 ms).
+MIN_REUSE = 128
 #: A prefix shared by jobs of one burst is prefilled once, alone, when the cache lacks at
-#: least this many of its tokens; shorter ones cost less than the extra forward pass saves.
-MIN_SHARED_PREFIX = 32
+#: least this many of its tokens: shorter, and no row could use it as a hit.
+MIN_SHARED_PREFIX = MIN_REUSE
 #: Without a device memory size (the CPU): a fixed budget.
 CPU_DEFAULT_BYTES = 1 << 30
 #: Of the device's recommended working set, the share the cache may hold by default.
@@ -258,29 +262,43 @@ class PromptCache:
         return None, 0
 
     def store(self, tokens: Sequence[int], cache: list[Any]) -> None:
-        """Keep ``cache``, the KV state of exactly ``tokens``. One shorter than
+        """Keep ``cache``, the KV state of exactly ``tokens`` (see :meth:`store_many`)."""
+        self.store_many([(tokens, cache)])
+
+    def store_many(self, rows: Sequence[tuple[Sequence[int], list[Any]]]) -> None:
+        """Keep each row's cache, the KV state of exactly its tokens. A row shorter than
         :data:`MIN_REUSE` or larger than the whole budget is dropped (it would only push
-        everything else out, then itself); entries it extends are dropped for it when
-        it can be trimmed back to them."""
-        if not self.mergeable or len(tokens) < MIN_REUSE or not cache:
+        everything else out, then itself); entries it extends are dropped for it when it
+        can be trimmed back to them. Rows that finished together in one batch are copied
+        together (:func:`_packed_rows`)."""
+        if not self.mergeable:
             return
-        block = _packed(cache)
-        if block is None:
-            cache = [_compact(c) for c in cache]
-            arrays = [a for c in cache for a in _arrays(c)]
-            nbytes = sum(c.nbytes for c in cache)
-        else:
-            cache, arrays, nbytes = [], [block], block.nbytes
-        if nbytes > self.max_bytes:
-            return
-        mx.async_eval(arrays)
-        entry = _Entry(list(tokens), nbytes, block, cache)
+        rows = [(t, c) for t, c in rows if len(t) >= MIN_REUSE and c]
+        blocks = _packed_rows([c for _, c in rows])
+        arrays: list[mx.array] = []
+        entries = []
+        for (tokens, cache), block in zip(rows, blocks, strict=True):
+            if block is None:
+                cache = [_compact(c) for c in cache]
+                kept = [a for c in cache for a in _arrays(c)]
+                nbytes = sum(c.nbytes for c in cache)
+            else:
+                cache, kept, nbytes = [], [block], block.nbytes
+            if nbytes <= self.max_bytes:
+                arrays += kept
+                entries.append(_Entry(list(tokens), nbytes, block, cache))
+        if arrays:
+            mx.async_eval(arrays)
+        for entry in entries:
+            self._add(entry)
+
+    def _add(self, entry: _Entry) -> None:
         prev, covered = self._trie.add(entry)
         if prev is not None:
             self._drop_counted(prev)
         self._lru[entry] = None
-        self._nbytes += nbytes
-        if block is not None or can_trim_prompt_cache(cache):
+        self._nbytes += entry.nbytes
+        if entry.block is not None or can_trim_prompt_cache(entry.cache):
             for e in covered:
                 self._evict(e)
         while len(self._lru) > MAX_ENTRIES or self._nbytes > self.max_bytes:
@@ -429,7 +447,7 @@ def _from_blocks(hits: list[_Hit | None], row: _RowKV) -> Any:
 
 
 def _plain(c: Any) -> bool:
-    return type(c) in (KVCache, _RowKV) and c.keys is not None and c.values is not None
+    return type(c) in (KVCache, _RowKV, _RowView) and c.keys is not None and c.values is not None
 
 
 def _packed(cache: list[Any]) -> mx.array | None:
@@ -449,20 +467,74 @@ def _packed(cache: list[Any]) -> mx.array | None:
     return mx.concatenate(parts, axis=0)
 
 
+class _RowView(KVCache):  # type: ignore[misc]
+    """A finished row's layer as a view of its batch's arrays: ``keys[row, :, start:end]``
+    of ``batch_keys`` (and the same of ``batch_values``). Rows of one batch stored together
+    are copied from these together."""
+
+    def __init__(
+        self, batch_keys: mx.array, batch_values: mx.array, row: int, start: int, end: int
+    ) -> None:
+        super().__init__()
+        self.batch_keys, self.batch_values = batch_keys, batch_values
+        self.row, self.start, self.end = row, start, end
+        self.keys = batch_keys[row : row + 1, :, start:end]
+        self.values = batch_values[row : row + 1, :, start:end]
+        self.offset = end - start
+
+
 def row_cache(cache: Any, idx: int, n: int) -> Any:
     """Row ``idx`` of a batch's cache, which holds ``n`` tokens of it, as a plain cache
-    viewing the batch's arrays (no copy: :meth:`PromptCache.store` copies what it keeps,
-    once for all layers). mlx-lm's ``extract`` copies each layer and reads the row's
-    padding from the device once a layer, waiting for the step in flight; the host knows
-    it from ``n``. Other cache types: ``extract``."""
+    viewing the batch's arrays (no copy: :meth:`PromptCache.store_many` copies what it
+    keeps). mlx-lm's ``extract`` copies each layer and reads the row's padding from the
+    device once a layer, waiting for the step in flight; the host knows it from ``n``.
+    Other cache types: ``extract``."""
     if type(cache) is not BatchKVCache or cache.keys is None or not 0 < n <= cache._idx:
         return cache.extract(idx)
-    start = cache._idx - n  # past the row's left padding
-    out: Any = KVCache()
-    out.keys = cache.keys[idx : idx + 1, :, start : cache._idx]
-    out.values = cache.values[idx : idx + 1, :, start : cache._idx]
-    out.offset = n
+    return _RowView(cache.keys, cache.values, idx, cache._idx - n, cache._idx)
+
+
+#: Fewest rows of one batch copied together: below it, a copy a row is fewer operations.
+MIN_GROUP = 3
+
+
+def _packed_rows(caches: Sequence[list[Any]]) -> list[mx.array | None]:
+    """Each row's caches packed as :func:`_packed` packs them (None: they cannot be);
+    rows that finished together in one batch (views of the same arrays), together."""
+    out: list[mx.array | None] = [None] * len(caches)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, cache in enumerate(caches):
+        if all(type(c) is _RowView for c in cache):
+            groups.setdefault((id(cache[0].batch_keys), cache[0].end), []).append(i)
+        else:
+            out[i] = _packed(cache)
+    for members in groups.values():
+        rows = [caches[i] for i in members]
+        blocks = _packed_together(rows) if len(rows) >= MIN_GROUP else None
+        for i, block in zip(members, blocks or [_packed(c) for c in rows], strict=True):
+            out[i] = block
     return out
+
+
+def _packed_together(rows: list[list[_RowView]]) -> list[mx.array | None] | None:
+    """Rows of one batch, each packed as :func:`_packed` packs it: each layer's keys and
+    values of all of them gathered once, stacked once, then each row's block copied out.
+    Row by row, a 24-layer model's row costs 48 copies, a batch of 64 rows 3,072;
+    together, 96 and one a row. Each block is its own array, so evicting one entry frees
+    its memory. None: the layers differ in shape or type."""
+    sources = [a for c in rows[0] for a in (c.batch_keys, c.batch_values)]
+    like = sources[0]
+    if any(a.shape[1:] != like.shape[1:] or a.dtype != like.dtype for a in sources):
+        return None
+    lo, end = min(c[0].start for c in rows), rows[0][0].end
+    order = [c[0].row for c in rows]
+    if order == list(range(like.shape[0])):  # the whole batch, in order: no gather
+        parts = [a[:, :, lo:end] for a in sources]
+    else:
+        take = mx.array(order)
+        parts = [mx.take(a[:, :, lo:end], take, axis=0) for a in sources]
+    stacked = mx.stack(parts)
+    return [mx.contiguous(stacked[:, g, :, c[0].start - lo :]) for g, c in enumerate(rows)]
 
 
 def _compact(c: Any) -> Any:
