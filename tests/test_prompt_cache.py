@@ -442,7 +442,7 @@ def _submit_all(client: Client, seeded: bool) -> list[list[int]]:
 def test_workers_with_and_without_the_cache_agree_and_count(redis_server, queue_name, start_worker):
     off_queue = queue_name + "-off"
     start_worker(queue=off_queue, prompt_cache_bytes=0)
-    start_worker(prompt_cache_bytes=1 << 30)
+    start_worker()  # the cache is on by default
     on, off = Client(redis_server.url, queue=queue_name), Client(redis_server.url, queue=off_queue)
     for seeded in (False, True):
         assert _submit_all(on, seeded) == _submit_all(off, seeded)

@@ -26,9 +26,8 @@ DEFAULT_GRACE_S = 30.0
 DEFAULT_MAX_WAIT_STEPS = 32
 #: Prometheus scrapes from another machine, as it does node exporters: every interface.
 DEFAULT_METRICS_HOST = "0.0.0.0"
-#: The prompt cache is opt-in (``auto`` or bytes): it pays for prompts that share a long
-#: prefix, but on the H200 it still costs jobs that share nothing (docs/benchmarks.md).
-DEFAULT_PROMPT_CACHE_BYTES: int | None = 0
+#: The prompt cache is on, sized from the device (None: ``auto``); 0 turns it off.
+DEFAULT_PROMPT_CACHE_BYTES: int | None = None
 
 
 def default_name() -> str:
@@ -58,10 +57,8 @@ class WorkerConfig:
             (0 picks a free port).
         metrics_host: The address the metrics server binds.
         prompt_cache_bytes: Bytes of KV state kept for later jobs that start with the same
-            tokens; 0 (the default): no prompt cache; None: a quarter of the device's
-            recommended working set, 1 GiB on a CPU (decided where MLX is loaded). Off by
-            default: on the H200 it still costs jobs without a shared prefix (an 8-token
-            sweep 0.73 of direct with it on, docs/benchmarks.md).
+            tokens; None (the default): a quarter of the device's recommended working set,
+            1 GiB on a CPU (decided where MLX is loaded); 0: no prompt cache.
 
     Raises:
         ValueError: naming the field and the bad value.
