@@ -133,6 +133,8 @@ class Subscriber:
                     self._outage.ok()
                     failures = 0
             except TRANSIENT as e:
+                if self._idle():
+                    return
                 self._outage.failed(e)
                 self._lost()
                 failures += 1
@@ -140,6 +142,18 @@ class Subscriber:
             finally:
                 with contextlib.suppress(Exception):
                     pubsub.close()
+
+    def _idle(self) -> bool:
+        """No stream wants the connection back: the reader ends, quietly (a client left
+        open while its Redis goes away retries nothing), and the next subscribe starts
+        another. Decided under the lock that subscribe takes, so no subscription is
+        left without a reader."""
+        with self._lock:
+            if self._subs:
+                return False
+            self._thread = None
+            self._active.clear()
+            return True
 
     def _apply(self, pubsub: Any) -> None:
         with self._lock:
@@ -258,6 +272,11 @@ class AsyncSubscriber:
                     self._outage.ok()
                     failures = 0
             except TRANSIENT as e:
+                if not self._subs:  # as the sync reader's _idle: end; subscribe starts another
+                    self._active.clear()
+                    if self._task is asyncio.current_task():
+                        self._task = None
+                    return
                 self._outage.failed(e)
                 self._active.clear()
                 for group in self._subs.values():

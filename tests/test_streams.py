@@ -100,3 +100,46 @@ def test_metadata_nested_past_any_limit_is_refused_by_name(redis_server, queue_n
         deep = {"a": deep}
     with pytest.raises(ValueError, match="metadata"):
         Client(redis_server.url, queue=queue_name).submit("x", metadata=deep)
+
+
+def test_an_idle_client_lets_a_redis_outage_pass_quietly(
+    persistent_redis, queue_name, start_worker, caplog
+):
+    """A client whose streams have all ended keeps no reader retrying a Redis that went
+    away (nothing is logged), and streams again once Redis is back; the same for the
+    async client."""
+    import logging
+    import time
+
+    start_worker(redis_url=persistent_redis.url)
+    client = Client(persistent_redis.url, queue=queue_name)
+    aclient = AsyncClient(persistent_redis.url, queue=queue_name)
+
+    def streamed(prompt: str) -> None:
+        job = client.submit(prompt, max_tokens=4)
+        assert "".join(c.text for c in job.stream(timeout=60)) == job.result(timeout=60).text
+
+    async def astreamed(prompt: str) -> None:
+        job = await aclient.submit(prompt, max_tokens=4)
+        text = "".join([c.text async for c in job.stream(timeout=60)])
+        assert text == (await job.result(timeout=60)).text
+
+    loop = asyncio.new_event_loop()
+    try:
+        streamed("before the outage")
+        loop.run_until_complete(astreamed("before the outage, async"))
+        with caplog.at_level(logging.WARNING, logger="mlxq.producer"):
+            persistent_redis.stop()
+            deadline = time.monotonic() + 15
+            while client.subscriber._thread is not None and time.monotonic() < deadline:
+                loop.run_until_complete(asyncio.sleep(0.1))  # the async reader runs too
+            assert client.subscriber._thread is None, "the idle reader ended"
+            assert aclient.subscriber._task is None, "the idle async reader ended"
+            assert not [r for r in caplog.records if "subscriber" in r.getMessage()]
+        persistent_redis.start()
+        streamed("after the outage")
+        loop.run_until_complete(astreamed("after the outage, async"))
+    finally:
+        client.close()
+        loop.run_until_complete(aclient.aclose())
+        loop.close()
