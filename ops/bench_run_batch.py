@@ -27,7 +27,6 @@ import json
 import re
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,53 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
+from procs import MLXQ, start_redis, start_worker, stop
+from words import WORDS as ALL_WORDS
 
 from mlxq.producer import Client
 from mlxq.producer.openai_api import CHAT, COMPLETIONS, parse_request
 
-MLXQ = Path(sys.executable).with_name("mlxq")
 MODES = ("submit_many", "run-batch")
-WORDS = ["river", "stone", "lamp", "harbor", "winter", "copper", "garden", "signal", "orchard"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_redis(work: Path) -> tuple[str, subprocess.Popen[bytes]]:
-    exe = shutil.which("redis-server") or sys.exit("redis-server not found (or pass --redis-url)")
-    port = free_port()
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen([*args, "--dir", str(work)], stdout=subprocess.DEVNULL)
-    r = redis.Redis(port=port)
-    for _ in range(400):
-        try:
-            r.ping()
-            return f"redis://127.0.0.1:{port}/0", proc
-        except redis.ConnectionError:
-            time.sleep(0.025)
-    sys.exit("redis-server did not start")
-
-
-def start_worker(
-    args: argparse.Namespace, url: str, queue: str, model: str, work: Path
-) -> subprocess.Popen[bytes]:
-    cmd = [str(MLXQ), "worker", "--model", model, "--redis-url", url, "--queue", queue]
-    cmd += ["--max-batch", str(args.max_batch)]
-    log = work / "worker.log"
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    r = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"worker exited:\n{log.read_text()}")
-        if any(r.exists(f"mlxq:alive:{n.decode()}") for n in r.smembers(f"mlxq:workers:{queue}")):
-            return proc
-        time.sleep(0.1)
-    sys.exit("worker not ready in 600 s")
+WORDS = ALL_WORDS[:9]
 
 
 def batch_lines(n: int, queue: str, max_tokens: int, salt: str) -> list[dict[str, Any]]:
@@ -189,7 +149,8 @@ def main() -> None:
             model = str(work / "tiny")
             subprocess.run([str(MLXQ), "model", "tiny", model], check=True, capture_output=True)
         queue = f"bench-{uuid.uuid4().hex[:6]}"
-        procs.append(start_worker(args, url, queue, model, work))
+        extra = ["--max-batch", str(args.max_batch)]
+        start_worker(model, url, queue, work / "worker.log", extra, started=procs)
         client = Client(url, queue=queue)
         via_submit_many(client, batch_lines(2 * args.max_batch, queue, args.max_tokens, "warm"))
         runs: list[Run] = []
@@ -214,11 +175,7 @@ def main() -> None:
         if client is not None:
             client.close()  # before its Redis goes
         for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop(p, 30)
         shutil.rmtree(work, ignore_errors=True)
 
 
