@@ -69,6 +69,9 @@ MIN_REUSE = 128
 #: A prefix shared by jobs of one burst is prefilled once, alone, when the cache lacks at
 #: least this many of its tokens: shorter, and no row could use it as a hit.
 MIN_SHARED_PREFIX = MIN_REUSE
+#: Fewest finished rows of one batch copied out together: below it, a copy a row is fewer
+#: operations.
+MIN_GROUP = 3
 #: Without a device memory size (the CPU): a fixed budget.
 CPU_DEFAULT_BYTES = 1 << 30
 #: Of the device's recommended working set, the share the cache may hold by default.
@@ -492,10 +495,6 @@ def row_cache(cache: Any, idx: int, n: int) -> Any:
     if type(cache) is not BatchKVCache or cache.keys is None or not 0 < n <= cache._idx:
         return cache.extract(idx)
     return _RowView(cache.keys, cache.values, idx, cache._idx - n, cache._idx)
-
-
-#: Fewest rows of one batch copied together: below it, a copy a row is fewer operations.
-MIN_GROUP = 3
 
 
 def _packed_rows(caches: Sequence[list[Any]]) -> list[mx.array | None]:
