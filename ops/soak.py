@@ -46,6 +46,7 @@ from words import WORDS
 
 from mlxq.producer import Client, Job, JobFailed
 from mlxq.producer.codec import MsgpackSerializer
+from mlxq.producer.info import collect
 from mlxq.producer.keys import (
     JOB_FUNC,
     alive_key,
@@ -266,11 +267,21 @@ def scrape(port: int) -> tuple[int, int] | None:
     return int(float(steps.group(1))), int(float(running.group(1)))
 
 
+#: What every third soak job's prompt starts with (about 190 tokens of the tiny model's
+#: tokenizer), so the workers' prompt caches hit under every fault.
+SHARED_PREFIX = "Answer in the style of these notes. " + " ".join(
+    WORDS[i * 7 % len(WORDS)] for i in range(60)
+)
+
+
 def job_kwargs(k: int) -> dict[str, Any]:
-    """Job k of the soak: one of five sampling groups, a varied prompt, 8-24 tokens."""
+    """Job k of the soak: one of five sampling groups, a varied prompt (every third after
+    a shared prefix), 8-24 tokens."""
     rng = random.Random(k)
     params = dict(GROUPS[k % 5]) if k % 5 < 4 else {"temperature": 0.8, "seed": k}
     text = f"{k} " + " ".join(rng.sample(WORDS, rng.randint(1, 12)))
+    if k % 3 == 0:
+        text = f"{SHARED_PREFIX}. {text}"
     prompt: dict[str, Any] = (
         {"messages": [{"role": "user", "content": text}]} if k % 7 == 0 else {"prompt": text}
     )
@@ -950,6 +961,8 @@ class Soak:
         for phase, (used, rss) in t.memory.items():
             rows.append((f"redis used_memory {phase}", f"{used / 2**20:.2f} MiB"))
             rows.append((f"worker RSS {phase}", ", ".join(f"{n} {m} MiB" for n, m in rss.items())))
+        hits = sum(w.get("prompt_cache_hits", 0) for w in collect(self.c.r)["workers"])
+        rows.append(("prompt cache hits (must be > 0)", hits))
         rows += self.leftovers()
         print()
         for k, v in rows:
@@ -972,6 +985,7 @@ class Soak:
             "queued cancels ignored": queued_not_canceled,
             "SIGTERM exit != 0": sum(rc != 0 for rc in t.sigterm_rcs),
             "workers died unasked": len(t.unexpected_exits),
+            "no prompt cache hit": hits == 0,
         }
         bad = {k: v for k, v in bad.items() if v}
         print(f"\n{'FAIL: ' + str(bad) if bad else 'PASS'}")
