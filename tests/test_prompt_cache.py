@@ -203,6 +203,23 @@ def test_reset_empties_the_cache(loaded):
     )
 
 
+@pytest.mark.parametrize(("window", "at_once"), [(4096, 1), (600, 4)])
+def test_a_sliding_window_model_gives_the_same_outputs(tiny_model, window, at_once):
+    """A model whose layers keep a rotating (sliding-window) KV cache, as Gemma 3's and
+    Mistral's do: a window wider than the prompts (hits cut back from longer entries) and
+    one the ~1,000-token prefix has already rotated (a burst's shared prefix, hit whole;
+    a rotated entry cannot be cut back, so one job at a time would miss)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model, tok = mlx_lm.load(str(tiny_model))  # its own copy: make_cache is replaced
+    model.make_cache = lambda: [RotatingKVCache(max_size=window, keep=4) for _ in model.layers]
+    reqs = _sweep(False)
+    plain = Engine(model, tok, max_batch=at_once, prompt_cache_bytes=0)
+    cached = Engine(model, tok, max_batch=at_once, prompt_cache_bytes=1 << 30)
+    assert _run(cached, reqs, at_once=at_once) == _run(plain, reqs, at_once=at_once)
+    assert cached.counters.prompt_cache_hits >= len(reqs) - 1
+
+
 def test_a_cache_that_cannot_merge_is_a_miss_never_an_error(loaded):
     from mlx_lm.models.cache import QuantizedKVCache
 
