@@ -77,6 +77,51 @@ def test_outputs_are_the_same_with_and_without_the_cache(loaded, seeded, at_once
     assert 0 < cached.prompt_cache_bytes <= 1 << 30
 
 
+def test_choices_penalties_and_logprobs_are_the_same_with_and_without_the_cache(loaded):
+    """What reads a row's whole prompt beyond its cache: n seeded choices of one prompt
+    (its prefix prefilled once for all), penalties over the prompt's tokens, a logit bias
+    and top log-probs; with a hit, the cached part of the prompt is still counted."""
+    from mlxq.batching.logits_params import LogitsParams
+
+    def reqs() -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                prompt=PREFIX + QUESTIONS[i],
+                max_tokens=8,
+                n=2,
+                sampling=SamplingParams(temperature=0.9, seed=11 + i),
+                logprobs=True,
+                top_logprobs=3,
+                logits=LogitsParams(
+                    repetition_penalty=1.3, presence_penalty=0.5, logit_bias={17: 2.0}
+                ),
+            )
+            for i in range(3)
+        ]
+
+    def run(engine: Engine) -> list[tuple[list[list[int]], list]]:
+        jobs = []
+        for i, req in enumerate(reqs()):
+            job = Job(f"c{i}", req, engine.encode(req))
+            job.start("exec", engine.new_detokenizer)
+            jobs.append(job)
+        for at_once in ([jobs[0]], jobs[1:]):  # one alone (it stores), then a burst (hits)
+            engine.add(at_once)
+            while engine.active:
+                engine.step()
+        return [([c.token_ids for c in j.choices], [c.logprobs for c in j.choices]) for j in jobs]
+
+    plain = Engine(*loaded, max_batch=8, prompt_cache_bytes=0)
+    cached = Engine(*loaded, max_batch=8, prompt_cache_bytes=1 << 30)
+    got, want = run(cached), run(plain)
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert [t["token"] for t in x] == [t["token"] for t in y]
+            assert [t["logprob"] for t in x] == pytest.approx([t["logprob"] for t in y], abs=1e-4)
+    assert cached.counters.prompt_cache_hits >= 4
+
+
 def test_a_burst_of_hits_on_two_entries_and_misses_decodes_as_without_the_cache(loaded):
     """Rows on two different cached prefixes and rows with nothing cached, admitted
     together with a miss first: the batch is merged by the cache's block merge."""
