@@ -417,6 +417,19 @@ def test_cached_rows_merge_into_the_batch_as_mlx_lm_merges_them(loaded):
                 assert mx.array_equal(a, b).item()
 
 
+def test_the_default_budget_is_a_quarter_of_what_the_model_leaves():
+    from mlxq.worker.prompt_cache import CPU_DEFAULT_BYTES, budget_beside
+
+    gib = 1 << 30
+    metal = {"max_recommended_working_set_size": 16 * gib, "memory_size": 24 * gib}
+    assert budget_beside(metal, 4 * gib) == 3 * gib  # the working set, not all memory
+    assert budget_beside({"total_memory": 140 * gib}, 40 * gib) == 25 * gib  # CUDA
+    assert budget_beside(metal, 16 * gib - (400 << 20)) == 100 << 20
+    assert budget_beside(metal, 16 * gib - (200 << 20)) == 0  # 50 MiB: no cache
+    assert budget_beside(metal, 20 * gib) == 0  # a model past the working set
+    assert budget_beside({}, 0) == CPU_DEFAULT_BYTES  # no size given
+
+
 def test_the_radix_tree_finds_what_a_scan_of_every_entry_finds():
     """Random adds and removals over a small alphabet (so edges split and fold often):
     the tree's nearest entries agree with a scan of every entry."""

@@ -124,7 +124,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="bytes of KV state kept so later jobs that start with the same tokens (a "
         "sweep's shared prefix, a chat's history) skip that part of the prefill: auto (a "
-        "quarter of the GPU's working set, 1 GiB on a CPU) or bytes; 0 turns it off "
+        "quarter of the GPU memory the model leaves, 1 GiB on a CPU) or bytes; 0 turns it off "
         "(default: auto)",
     )
     p.add_argument(

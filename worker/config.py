@@ -57,8 +57,9 @@ class WorkerConfig:
             (0 picks a free port).
         metrics_host: The address the metrics server binds.
         prompt_cache_bytes: Bytes of KV state kept for later jobs that start with the same
-            tokens; None (the default): a quarter of the device's recommended working set,
-            1 GiB on a CPU (decided where MLX is loaded); 0: no prompt cache.
+            tokens; None (the default): a quarter of what the loaded model leaves of the
+            device's recommended working set, 1 GiB on a CPU (decided where MLX is
+            loaded); 0: no prompt cache.
 
     Raises:
         ValueError: naming the field and the bad value.

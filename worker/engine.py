@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from mlxq.producer.params import GenerationRequest
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.jobs import Job
 from mlxq.worker.prompt_cache import MIN_REUSE, PromptCache, default_budget, row_cache
+
+log = logging.getLogger("mlxq.worker")
 
 #: What OpenAI reports for a token that cannot be sampled at all (log-prob -inf).
 LOGPROB_FLOOR = -9999.0
@@ -280,6 +283,10 @@ class Engine:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
         if prompt_cache_bytes is None:
             prompt_cache_bytes = default_budget()
+            if prompt_cache_bytes:
+                log.info("prompt cache: %d MiB (auto)", prompt_cache_bytes >> 20)
+            else:
+                log.warning("prompt cache off: the model leaves the device too little memory")
         if prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes={prompt_cache_bytes!r}: must be >= 0")
         self.prompt_cache = (

@@ -74,23 +74,34 @@ MIN_SHARED_PREFIX = MIN_REUSE
 MIN_GROUP = 3
 #: Without a device memory size (the CPU): a fixed budget.
 CPU_DEFAULT_BYTES = 1 << 30
-#: Of the device's recommended working set, the share the cache may hold by default.
+#: Of the device memory left beside the model, the share the cache may hold by default.
 DEVICE_SHARE = 0.25
+#: A default budget smaller than this is no cache (the model leaves too little room).
+MIN_DEFAULT_BYTES = 64 << 20
 
 
 def default_budget() -> int:
-    """Bytes the cache may hold when the worker is not told: a quarter of the device's
-    recommended working set (Metal, CUDA), else 1 GiB."""
+    """Bytes the cache may hold when the worker is not told: a quarter of what the
+    device's recommended working set (Metal, CUDA) leaves beside what MLX holds now (the
+    loaded model), else 1 GiB; 0 (no cache) when that is under 64 MiB."""
     try:
         info = mx.device_info()
     except Exception:  # an MLX build without it: the CPU default
         return CPU_DEFAULT_BYTES
     if mx.default_device() == mx.cpu:
         return CPU_DEFAULT_BYTES
+    return budget_beside(info, mx.get_active_memory())
+
+
+def budget_beside(info: dict[str, Any], used: int) -> int:
+    """:func:`default_budget` for a device described by ``info`` (``mx.device_info()``)
+    with ``used`` bytes held: a quarter of its memory left, 0 when under 64 MiB, and the
+    CPU default when ``info`` gives no size."""
     for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
         size = info.get(key)
         if isinstance(size, int) and size > 0:
-            return int(size * DEVICE_SHARE)
+            budget = int((size - used) * DEVICE_SHARE)
+            return budget if budget >= MIN_DEFAULT_BYTES else 0
     return CPU_DEFAULT_BYTES
 
 
