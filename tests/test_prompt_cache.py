@@ -29,13 +29,19 @@ def loaded(tiny_model):
     return mlx_lm.load(str(tiny_model))
 
 
-def _run(engine: Engine, reqs: list[GenerationRequest], *, at_once: int) -> list[list[int]]:
-    """Run requests to the end, admitting ``at_once`` whenever rows are free."""
+def _started(engine: Engine, reqs: list[GenerationRequest]) -> list[Job]:
+    """The requests as jobs started on ``engine``, ready to add."""
     jobs = []
     for i, req in enumerate(reqs):
         job = Job(f"j{i}", req, engine.encode(req))
         job.start("exec", engine.new_detokenizer)
         jobs.append(job)
+    return jobs
+
+
+def _run(engine: Engine, reqs: list[GenerationRequest], *, at_once: int) -> list[list[int]]:
+    """Run requests to the end, admitting ``at_once`` whenever rows are free."""
+    jobs = _started(engine, reqs)
     pending = list(jobs)
     while pending or engine.active:
         if pending and engine.free_slots:
@@ -100,11 +106,7 @@ def test_choices_penalties_and_logprobs_are_the_same_with_and_without_the_cache(
         ]
 
     def run(engine: Engine) -> list[tuple[list[list[int]], list]]:
-        jobs = []
-        for i, req in enumerate(reqs()):
-            job = Job(f"c{i}", req, engine.encode(req))
-            job.start("exec", engine.new_detokenizer)
-            jobs.append(job)
+        jobs = _started(engine, reqs())
         for at_once in ([jobs[0]], jobs[1:]):  # one alone (it stores), then a burst (hits)
             engine.add(at_once)
             while engine.active:
@@ -158,12 +160,7 @@ def test_a_finished_rows_view_is_what_mlx_lm_extracts(loaded):
 
     engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
     prompts = [PREFIX[:350], PREFIX[:900], "Gulls " * 140, PREFIX[:600]]  # >= MIN_REUSE tokens
-    jobs = []
-    for i, p in enumerate(prompts):
-        req = GenerationRequest(prompt=p, max_tokens=20)
-        jobs.append(Job(f"v{i}", req, engine.encode(req)))
-        jobs[-1].start("exec", engine.new_detokenizer)
-    engine.add(jobs)
+    engine.add(_started(engine, [GenerationRequest(prompt=p, max_tokens=20) for p in prompts]))
     for _ in range(4):
         engine.step()
     batch = engine._gen._generation_batch

@@ -460,10 +460,13 @@ class Engine:
             c.prompt_tokens_prefilled += len(p) - n
         return caches, held
 
-    def _keep(self, tokens: list[int] | None, cache: list[Any] | None) -> None:
-        """Keep a finished row's cache (its prompt and completion) for later jobs."""
-        if self.prompt_cache is not None and tokens and cache:
-            self.prompt_cache.store(list(tokens), cache)
+    def _keep(self, rows: Iterable[tuple[list[int] | None, list[Any] | None]]) -> None:
+        """Keep finished rows' caches (prompt and completion, as ``(tokens, cache)``) for
+        later jobs; rows that finished in one step are passed together."""
+        if self.prompt_cache is not None:
+            kept = [(tokens, cache) for tokens, cache in rows if tokens and cache]
+            if kept:
+                self.prompt_cache.store_many(kept)
 
     def _stop_tokens(self, job: Job) -> frozenset[int]:
         lp = job.request.logits
@@ -487,14 +490,7 @@ class Engine:
             if row is not None:
                 self._on_token(r.uid, row[0], row[1], r.token, r.finish_reason, r.logprobs)
                 touched[row[0].id] = row[0]
-        if self.prompt_cache is not None:  # rows that finished this step, stored together
-            self.prompt_cache.store_many(
-                [
-                    (r.all_tokens, r.prompt_cache)
-                    for r in responses
-                    if r.finish_reason is not None and r.all_tokens and r.prompt_cache
-                ]
-            )
+        self._keep((r.all_tokens, r.prompt_cache) for r in responses if r.finish_reason is not None)
         self.counters.tokens_generated += len(responses)
         return list(touched.values())
 
@@ -520,7 +516,7 @@ class Engine:
             kept = self._gen.remove([uid], return_prompt_caches=self.prompt_cache is not None)
             if uid in kept:
                 cache, tokens = kept[uid]
-                self._keep(tokens, cache)
+                self._keep([(tokens, cache)])
             finish = "stop"
         elif finish is not None:
             text += choice.stops.flush()
