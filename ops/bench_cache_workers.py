@@ -1,13 +1,14 @@
-"""What one queue served by several workers loses of the prompt cache, through Redis.
+"""What one queue served by several workers loses of the prompt cache, and what routing
+wins back, through Redis.
 
-Each worker keeps its own prompt cache, and a job goes to whichever worker claims it first.
-A sweep loses little: each worker prefills the shared prefix once. A chat resends its
-history every turn, and a turn that lands on another worker than the last one finds less
-of it cached. This runs the same chats (``--chats`` at once, ``--turns`` each, every turn
-the whole history so far) against 1 worker, then against ``--workers`` workers, and
-reports the share of prompt tokens served from the cache and the prefill tokens computed.
-The difference is the most that routing a chat's turns to the worker holding its history
-could win back.
+Each worker keeps its own prompt cache. A sweep loses little: each worker prefills the
+shared prefix once. A chat resends its history every turn, and a turn that lands on
+another worker than the last one finds less of it cached, unless the worker that claims
+it hands it to the one holding its history (routing, on by default). This runs the same
+chats (``--chats`` at once, ``--turns`` each, every turn the whole history so far)
+against 1 worker, then ``--workers`` workers with ``--no-routing``, then with routing, and
+reports the wall time, the mean time to each turn's first token, the share of prompt
+tokens served from the cache and the prefill tokens computed.
 
 Usage:
     python ops/bench_cache_workers.py                  # tiny model, CPU, a few minutes
@@ -41,22 +42,37 @@ COUNTERS = (
 )
 
 
-def start_workers(n: int, model: str, url: str, queue: str, work: Path, started: list[Any]) -> None:
+def start_workers(
+    n: int,
+    routing: bool,
+    args: argparse.Namespace,
+    url: str,
+    queue: str,
+    work: Path,
+    started: list[Any],
+) -> None:
+    model = args.model
     for i in range(n):
-        extra = ["--max-batch", "16", "--prompt-cache-bytes", "auto"]
+        extra = ["--max-batch", str(args.max_batch), "--prompt-cache-bytes", "auto"]
+        extra += [] if routing else ["--no-routing"]
         start_worker(model, url, queue, work / f"worker{i}.log", extra, started=started)
 
 
-def run_chats(url: str, queue: str, args: argparse.Namespace) -> float:
+def run_chats(url: str, queue: str, args: argparse.Namespace) -> tuple[float, float]:
+    """Wall time of the whole run and the mean time to each turn's first token (s)."""
     client = Client(url, queue=queue)
     errors: list[BaseException] = []
+    firsts: list[float] = []
     try:
-        return _run_chats(client, args, errors)
+        wall = _run_chats(client, args, errors, firsts)
+        return wall, sum(firsts) / max(1, len(firsts))
     finally:
         client.close()
 
 
-def _run_chats(client: Client, args: argparse.Namespace, errors: list[BaseException]) -> float:
+def _run_chats(
+    client: Client, args: argparse.Namespace, errors: list[BaseException], firsts: list[float]
+) -> float:
 
     def chat(k: int) -> None:
         rng = random.Random(k)
@@ -66,10 +82,15 @@ def _run_chats(client: Client, args: argparse.Namespace, errors: list[BaseExcept
             for turn in range(args.turns):
                 words = " ".join(rng.choice(WORDS) for _ in range(args.user_words))
                 messages.append({"role": "user", "content": f"{turn}: {words}"})
-                res = client.submit(messages=messages, max_tokens=args.max_tokens).result(
-                    timeout=600
-                )
-                messages.append({"role": "assistant", "content": res.text})
+                t0 = time.perf_counter()
+                job = client.submit(messages=messages, max_tokens=args.max_tokens)
+                first = None
+                for chunk in job.stream(timeout=600):
+                    if first is None and chunk.text:
+                        first = time.perf_counter() - t0
+                if first is not None:
+                    firsts.append(first)
+                messages.append({"role": "assistant", "content": job.result(timeout=600).text})
         except BaseException as e:
             errors.append(e)
 
@@ -92,6 +113,8 @@ def totals(url: str, queue: str, jobs: int) -> dict[str, int]:
         ws = [w for w in collect(r)["workers"] if w["queue"] == queue and w["alive"]]
         out = {k: sum(int(w.get(k, 0)) for w in ws) for k in COUNTERS}
         if out["prompt_cache_queries"] >= jobs or time.monotonic() > deadline:
+            out["spread"] = "/".join(str(w.get("jobs_finished", 0)) for w in ws)  # type: ignore[assignment]
+            out["handed"] = sum(int(w.get("jobs_handed_out", 0)) for w in ws)
             return out
         time.sleep(0.3)
 
@@ -105,21 +128,22 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=120)
     p.add_argument("--user-words", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=16, help="each worker's (default: 16)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mlxq-cache-workers-"))
-    model = args.model
-    if model is None:
+    if args.model is None:
         from mlxq.worker.tiny import build_tiny_model
 
-        model = str(build_tiny_model(work / "tiny", seed=0))
+        args.model = str(build_tiny_model(work / "tiny", seed=0))
+    model = args.model
     rows = []
-    for n in (1, args.workers):
+    for n, routing in ((1, True), (args.workers, False), (args.workers, True)):
         url, server = start_redis(work)
         queue = f"cw-{uuid.uuid4().hex[:6]}"
         procs: list[Any] = []
         try:
-            start_workers(n, model, url, queue, work, procs)
-            wall = run_chats(url, queue, args)
+            start_workers(n, routing, args, url, queue, work, procs)
+            wall, first = run_chats(url, queue, args)
             t = totals(url, queue, args.chats * args.turns)
         finally:
             for proc in procs:
@@ -127,27 +151,27 @@ def main() -> None:
             for proc in procs:
                 stop(proc)
             stop(server)
-        rows.append((n, wall, t))
+        rows.append((n, routing, wall, first, t))
     print(
         f"{args.chats} chats x {args.turns} turns, system prompt {args.system_words} words, "
         f"{args.user_words} words a turn, {args.max_tokens} tokens a reply, model {model}"
     )
     print(
-        f"{'workers':>8}{'wall s':>9}{'prompt tok':>12}{'cached':>10}{'share':>8}{'prefilled':>11}"
+        f"{'workers':>8}{'routing':>9}{'wall s':>9}{'ttft ms':>9}{'prompt tok':>12}"
+        f"{'cached':>10}{'share':>8}{'prefilled':>11}{'jobs each':>11}{'handed':>8}"
     )
-    for n, wall, t in rows:
+    for n, routing, wall, first, t in rows:
         share = t["prompt_tokens_cached"] / max(1, t["prompt_tokens"])
         print(
-            f"{n:>8}{wall:>9.1f}{t['prompt_tokens']:>12}{t['prompt_tokens_cached']:>10}"
-            f"{share:>8.2f}{t['prompt_tokens_prefilled']:>11}"
+            f"{n:>8}{'on' if routing else 'off':>9}{wall:>9.1f}{first * 1000:>9.1f}"
+            f"{t['prompt_tokens']:>12}{t['prompt_tokens_cached']:>10}{share:>8.2f}"
+            f"{t['prompt_tokens_prefilled']:>11}{t['spread']:>11}{t['handed']:>8}"
         )
-    (_, _, one), (_, _, many) = rows
-    lost = (one["prompt_tokens_cached"] / max(1, one["prompt_tokens"])) - (
-        many["prompt_tokens_cached"] / max(1, many["prompt_tokens"])
-    )
+    (_, _, _, _, off), (_, _, _, _, on) = rows[1:]
     print(
-        f"with {args.workers} workers {lost:.0%} of the prompt tokens that 1 worker took from "
-        "its cache are prefilled again: the most routing could save"
+        f"with {args.workers} workers, routing: prefilled tokens "
+        f"{on['prompt_tokens_prefilled'] / max(1, off['prompt_tokens_prefilled']):.2f}x of "
+        f"without, wall {rows[2][2] / rows[1][2]:.2f}x, first token {rows[2][3] / rows[1][3]:.2f}x"
     )
 
 

@@ -103,6 +103,9 @@ ALIVE = f"{PREFIX}:alive:"
 ROLL = f"{PREFIX}:workers:"
 REAPED = f"{PREFIX}:reaped:"
 WORKER_STATS = f"{PREFIX}:worker:"
+ROUTE = f"{PREFIX}:route:"
+HANDED = f"{PREFIX}:handed:"
+BLOCKER = f"{PREFIX}:blocker:"
 
 
 def stream_key(job_id: str) -> str:
@@ -145,6 +148,24 @@ def reaped_key(worker_name: str) -> str:
     """Set when a worker was declared dead and its jobs requeued; it tells that worker,
     should it wake, that it owns nothing any more."""
     return f"{REAPED}{worker_name}"
+
+
+def route_key(queue: str, digest: str) -> str:
+    """Which worker last finished the conversation ``digest`` names on ``queue`` (and so
+    holds its KV state in its prompt cache): a job continuing it is handed there."""
+    return f"{ROUTE}{queue}:{digest}"
+
+
+def handed_key(worker_name: str) -> str:
+    """Jobs handed to a worker by another (a zset of ids by when, in ms): each is also in
+    the worker's WIP list, unclaimed, until it claims it or gives it back."""
+    return f"{HANDED}{worker_name}"
+
+
+def blocker_key(worker_name: str) -> str:
+    """The client id of the connection a worker blocks on while idle, so a worker handing
+    it a job can wake it (``CLIENT UNBLOCK``)."""
+    return f"{BLOCKER}{worker_name}"
 
 
 def lua_header() -> str:

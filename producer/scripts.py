@@ -30,6 +30,9 @@ NAMES = (
     "rejoin",
     "refresh",
     "cancel",
+    "hand",
+    "giveback",
+    "route",
 )
 
 Arg = str | bytes | int | float

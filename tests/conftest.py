@@ -203,8 +203,8 @@ def start_worker(
             "--name",
             name,
         ]
-        for k, v in opts.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
+        for k, v in opts.items():  # True: a flag without a value
+            args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
         w = WorkerProcess(args, tmp_path / f"worker{len(started)}.log", url, q, name)
         started.append(w)
         if ready:

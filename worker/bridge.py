@@ -18,6 +18,7 @@ import base64
 import logging
 import os
 import socket
+import time
 import uuid
 import zlib
 from collections.abc import Sequence
@@ -59,6 +60,18 @@ STATS_TTL = 60
 #: The longest a blocking wait for a job holds a connection: well under the lease, so a job
 #: Redis hands a worker that froze meanwhile lands before that worker can be reaped.
 BLOCK_S = 1.0
+#: A job handed to this worker and not claimed within this long (it stayed full) goes
+#: back to the queue at its next heartbeat, for any worker: nothing waits on a busy one.
+HAND_GRACE_MS = 500
+#: A chat turn is handed to the worker holding its history only while that worker holds
+#: at most this share more rows than the one that claimed it, plus :data:`HAND_SLACK`.
+HAND_SHARE = 1.5
+HAND_SLACK = 4
+#: How long a worker is named as holding a finished conversation (its cache may have
+#: dropped it sooner: then the next turn is a miss, as without routing).
+ROUTE_TTL = 900
+#: How often a worker, idle and about to block, writes its blocking connection's id anew.
+BLOCKER_TTL = 60
 
 
 _CALLBACKS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
@@ -137,6 +150,7 @@ class Claimed:
     clean: int = 0
     enqueued_at: str = ""
     detail: str = ""
+    handed: bool = False  # another worker handed it here (it is never handed on)
 
 
 @dataclass(slots=True)
@@ -151,6 +165,7 @@ class End:
     canceled: Chunk  # written instead of final when a cancel won the race
     result: dict[str, Any] | None = None
     reason: str = ""
+    route: str | None = None  # its conversation's route key, to name this worker in
 
 
 @dataclass(slots=True)
@@ -197,6 +212,18 @@ def _zlib_text(text: str) -> bytes:
     return zlib.compress(text.encode("utf-8", "replace"))
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _worker_name(v: Any) -> str | None:
+    """A worker name read from Redis, or None when it could not be one."""
+    if not isinstance(v, bytes) or not 0 < len(v) <= 200:
+        return None
+    name = v.decode("utf-8", "replace")
+    return name if name.isprintable() and not any(c.isspace() or c == ":" for c in name) else None
+
+
 def _s(v: Any) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
@@ -225,6 +252,8 @@ class Bridge:
         self.k_execs = keys.rq_worker_executions(self.name)
         self.k_finished, self.k_failed = keys.finished_registry(q), keys.failed_registry(q)
         self.k_canceled = keys.canceled_registry(q)
+        self.k_handed, self.k_blocker = keys.handed_key(self.name), keys.blocker_key(self.name)
+        self._blocker: tuple[int, float] | None = None  # (client id, written at)
         self.rq_queue = Queue(q, connection=self.redis, serializer=MsgpackSerializer)
         # rq's own job log lines would name a job by its description; mlxq logs its own.
         self.rq_worker = SimpleWorker(
@@ -277,14 +306,30 @@ class Bridge:
 
     def beat(self) -> str:
         """Keep the lease: ``ok``, ``renewed`` (it had lapsed, nobody took over) or
-        ``reaped`` (declared dead: nothing is this worker's any more)."""
-        return _s(
-            scripts.call(
-                self.redis,
-                "beat",
-                [self.k_alive, self.k_roll, keys.reaped_key(self.name)],
-                [self.token, self.name, LEASE_MS],
-            )
+        ``reaped`` (declared dead: nothing is this worker's any more). Jobs handed here
+        and left unclaimed past :data:`HAND_GRACE_MS` go back to the queue."""
+        verdict, _ = scripts.run(
+            self.redis,
+            [
+                (
+                    "beat",
+                    [self.k_alive, self.k_roll, keys.reaped_key(self.name)],
+                    [self.token, self.name, LEASE_MS],
+                ),
+                self._give_back_call(_now_ms() - HAND_GRACE_MS),
+            ],
+        )
+        return _s(verdict)
+
+    def give_back(self) -> int:
+        """Every job handed here and not claimed goes back to the queue (shutdown)."""
+        return int(scripts.run(self.redis, [self._give_back_call(_now_ms())])[0])
+
+    def _give_back_call(self, cutoff_ms: int) -> tuple[str, list[str], list[scripts.Arg]]:
+        return (
+            "giveback",
+            [self.k_alive, self.k_handed, self.k_wip, self.k_queue],
+            [self.token, cutoff_ms],
         )
 
     def rejoin(self) -> int:
@@ -358,7 +403,16 @@ class Bridge:
     def write_stats(self, state: str, stats: dict[str, Any]) -> None:
         key = keys.worker_stats_key(self.name)
         with self.redis.pipeline() as p:
-            p.hset(key, mapping={"state": state, "stats": MsgpackSerializer.dumps(stats)})
+            # Its free rows on their own: the hand script reads them (it reads no msgpack).
+            p.hset(
+                key,
+                mapping={
+                    "state": state,
+                    "stats": MsgpackSerializer.dumps(stats),
+                    "room": int(stats.get("room", 0)),
+                    "load": int(stats.get("load", 0)),
+                },
+            )
             p.expire(key, STATS_TTL)
             p.execute()
 
@@ -373,7 +427,9 @@ class Bridge:
     # -- moving jobs (the prefetch thread) ---------------------------------------------
 
     def wait_for_job(self, timeout: float = BLOCK_S) -> bytes | None:
-        """Block until one job id moves from the queue into this worker's WIP list."""
+        """Block until one job id moves from the queue into this worker's WIP list, or
+        another worker hands this one a job and wakes it (then None, as on a timeout)."""
+        self._note_blocker()
         # redis-py annotates an int; BLMOVE takes fractions of a second (Redis >= 6).
         raw = self.mover.blmove(
             self.k_queue,
@@ -383,6 +439,57 @@ class Bridge:
             "RIGHT",
         )
         return raw if isinstance(raw, bytes) else None
+
+    def _note_blocker(self) -> None:
+        """Name the connection this worker blocks on, so a worker handing it a job can
+        wake it; written again when the connection changed, or every half TTL."""
+        cid = int(self.mover.client_id())
+        now = time.monotonic()
+        if self._blocker is None or self._blocker[0] != cid or now > self._blocker[1]:
+            self.mover.set(self.k_blocker, cid, ex=BLOCKER_TTL)
+            self._blocker = (cid, now + BLOCKER_TTL / 2)
+
+    def routes(self, route_keys: Sequence[str]) -> list[str | None]:
+        """The worker each route key names (None: none, or no readable name)."""
+        # MGET reads a key of another type as no value: a rogue key never raises here.
+        names = self.mover.mget(route_keys) if route_keys else []
+        return [_worker_name(v) for v in names]
+
+    def hand(self, job_id: str, to: str, most_load: int) -> str:
+        """Hand a claimed, unstarted job to worker ``to`` should it hold at most
+        ``most_load`` rows; ``ok`` or why not (it stays)."""
+        return _s(
+            scripts.call(
+                self.mover,
+                "hand",
+                [
+                    self.k_alive,
+                    self.k_wip,
+                    keys.alive_key(to),
+                    keys.wip_key(to),
+                    keys.handed_key(to),
+                    keys.worker_stats_key(to),
+                    self.k_roll,
+                ],
+                [self.token, self.name, job_id, to, _now_ms(), 60_000, most_load],
+            )
+        )
+
+    def wake(self, to: str, job_id: str, tries: int = 25) -> bool:
+        """Wake worker ``to`` should it be blocked waiting for the queue; gives up once
+        it has claimed ``job_id`` (it was not blocked, or woke) or after ``tries``."""
+        for _ in range(tries):
+            try:
+                raw = self.mover.get(keys.blocker_key(to))
+                cid = int(raw) if isinstance(raw, bytes) and raw.isdigit() else None
+                if cid is not None and self.mover.client_unblock(cid):
+                    return True
+                if self.mover.zscore(keys.handed_key(to), job_id) is None:
+                    return True
+            except redis.ResponseError:  # a rogue key of another type: its beat gives back
+                return False
+            time.sleep(0.002)
+        return False
 
     def wip(self) -> list[bytes]:
         return [x for x in self.mover.lrange(self.k_wip, 0, -1) if isinstance(x, bytes)]
@@ -398,7 +505,7 @@ class Bridge:
         out = scripts.call(
             self.mover,
             "claim",
-            [self.k_queue, self.k_wip, self.k_alive, self.k_canceled],
+            [self.k_queue, self.k_wip, self.k_alive, self.k_canceled, self.k_handed],
             [
                 self.token,
                 self.name,
@@ -417,7 +524,10 @@ class Bridge:
         for e in out:
             verdict = _s(e[1])
             if verdict == "ok":
-                claimed.append(Claimed(e[0], verdict, e[2], int(e[3]), int(e[4]), _s(e[5])))
+                handed = e[6] == b"1"
+                claimed.append(
+                    Claimed(e[0], verdict, e[2], int(e[3]), int(e[4]), _s(e[5]), handed=handed)
+                )
             else:
                 claimed.append(Claimed(e[0], verdict, detail=" ".join(_s(x) for x in e[2:])))
         return claimed
@@ -436,6 +546,9 @@ class Bridge:
         calls: list[tuple[str, list[str], list[scripts.Arg]]] = []
         if f.chunks:
             calls.append(("chunks", [self.k_alive], self._chunk_args(f.chunks)))
+        if routes := [e.route for e in f.ends if e.route and e.outcome == "finished"]:
+            # Before the ends: a client that sees a turn end and sends the next finds it.
+            calls.append(("route", [self.k_alive], [self.token, self.name, ROUTE_TTL, *routes]))
         if f.ends:
             calls.append(
                 (

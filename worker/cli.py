@@ -128,6 +128,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "(default: auto)",
     )
     p.add_argument(
+        "--no-routing",
+        dest="routing",
+        action="store_false",
+        help="claim chat turns like any job; by default a claimed chat turn whose history "
+        "another live worker with free rows holds in its prompt cache is handed to it",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         help="DEBUG (adds tracebacks to errors), INFO, WARNING or ERROR (default: %(default)s)",
@@ -155,6 +162,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        routing=args.routing,
     )
 
 

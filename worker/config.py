@@ -60,6 +60,8 @@ class WorkerConfig:
             tokens; None (the default): a quarter of what the loaded model leaves of the
             device's recommended working set, 1 GiB on a CPU (decided where MLX is
             loaded); 0: no prompt cache.
+        routing: Hand a claimed chat turn to the live worker, with free rows, that
+            finished its conversation's last turn (its prompt cache holds the history).
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -79,6 +81,7 @@ class WorkerConfig:
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST
     prompt_cache_bytes: int | None = DEFAULT_PROMPT_CACHE_BYTES
+    routing: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

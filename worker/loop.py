@@ -32,6 +32,8 @@ from mlxq.worker.liveness import Liveness
 from mlxq.worker.logs import job_event
 from mlxq.worker.metrics import Metrics, NoMetrics, TokenRate
 from mlxq.worker.prefetch import MAX_CHARS_PER_TOKEN, Prefetcher, ttl_expired
+from mlxq.worker.prompt_cache import MIN_REUSE
+from mlxq.worker.routing import finished_as
 from mlxq.worker.sink import Sink
 
 log = logging.getLogger("mlxq.worker")
@@ -75,6 +77,8 @@ class Worker:
             max_prompt_chars=_max_prompt_chars(self.engine),
             holds=self.holds,
             runs=self.runs,
+            load=self.load,
+            routing=config.routing,
         )
         self.liveness = Liveness(
             self.bridge,
@@ -151,6 +155,7 @@ class Worker:
         self.liveness.stop()
         self.metrics.close()
         try:
+            self.bridge.give_back()  # jobs handed here and not claimed: back to the queue
             # Leave the roll only with nothing held; else stay on it, lease dropped, so a
             # live worker requeues what this one still holds at once.
             self.bridge.unregister(leave=settled and not self.bridge.wip())
@@ -167,6 +172,10 @@ class Worker:
         duplicate; a job whose hand-back is committing may be claimed again)."""
         job = self.jobs.get(job_id)
         return (job is not None and job.status is not Status.ENDING) or self.prefetch.holds(job_id)
+
+    def load(self) -> int:
+        """Rows this worker holds, running or buffered (safe from any thread)."""
+        return sum(j.status in (Status.RUNNING, Status.BUFFERED) for j in list(self.jobs.values()))
 
     def _poke(self) -> None:
         self.liveness.poke()
@@ -364,8 +373,18 @@ class Worker:
                 job.canceled_instead(final),
                 job.result() if outcome == "finished" else None,
                 reason,
+                self._route(job) if outcome == "finished" else None,
             )
         )
+
+    def _route(self, job: Job) -> str | None:
+        """The key naming this worker as holding a finished chat job's conversation: its
+        row (prompt and reply) was offered to the prompt cache."""
+        if not self.config.routing or self.engine.prompt_cache is None:
+            return None
+        if len(job.prompt_ids) + job.generated < MIN_REUSE:
+            return None
+        return finished_as(self.config.queue, job.request, "".join(job.text))
 
     def _on_engine_error(self, e: Exception) -> None:
         """An MLX error leaves the batch state unusable. Jobs admitted since the last
@@ -542,6 +561,8 @@ class Worker:
         c = self.engine.counters
         jobs = list(self.jobs.values())
         running = sum(j.status is Status.RUNNING for j in jobs)
+        buffered = sum(j.status is Status.BUFFERED for j in jobs)
+        room = 0 if self.suspended else max(0, self.config.max_batch - running - buffered)
         state = "busy" if running else "suspended" if self.suspended else "idle"
         return state, {
             "name": self.name,
@@ -567,7 +588,11 @@ class Worker:
             "suspended": self.suspended,
             "updated_at": time.time(),
             "running": running,
-            "buffered": sum(j.status is Status.BUFFERED for j in jobs),
+            "buffered": buffered,
+            "room": room,
+            "load": running + buffered,
+            "jobs_handed_out": self.prefetch.handed,
+            "jobs_handed_in": self.prefetch.handed_in,
             "pid": os.getpid(),
             "cancels_ignored": self.cancels.ignored,
             "started_at": self.born,

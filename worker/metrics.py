@@ -11,7 +11,9 @@ histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 cache's, as vLLM names its prefix cache: ``prefix_cache_queries_total`` and
 ``prefix_cache_hits_total`` (rows looked up, rows that found a prefix: counters, not a
 ratio), ``prefix_cache_tokens_total`` (prompt tokens reused), ``prefix_cache_bytes`` (held
-now) and ``prompt_tokens_prefilled_total`` (prompt tokens computed).
+now) and ``prompt_tokens_prefilled_total`` (prompt tokens computed); routing's
+``jobs_handed_out_total`` and ``jobs_handed_in_total`` (chat turns handed to the worker
+holding their history, and taken from others).
 
 Counters and gauges are read from the worker's stats map when scraped, so the decode loop
 pays nothing for them; the latency histograms are fed by four calls of the loop:
@@ -202,6 +204,16 @@ class _StatsCollector(Collector):
             ("mlxq_generation_tokens", "tokens_generated", "Tokens generated"),
             ("mlxq_decode_steps", "decode_steps", "Decode steps run"),
             ("mlxq_vectorized_steps", "vectorized_steps", "Decode steps sampled in one call"),
+            (
+                "mlxq_jobs_handed_out",
+                "jobs_handed_out",
+                "Chat turns this worker claimed and handed to the worker holding their history",
+            ),
+            (
+                "mlxq_jobs_handed_in",
+                "jobs_handed_in",
+                "Chat turns another worker handed this one (it held their history)",
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
         yield GaugeMetricFamily(

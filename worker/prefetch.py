@@ -5,7 +5,9 @@ many ready in a local buffer: it claims them in bulk (one script call moves and 
 many), checks each payload by name, tokenizes it, and hands over :class:`Job` records.
 When the queue is empty it blocks on it, so an idle worker hears of a job at once. A job
 that cannot run (unreadable, invalid, too long, past its ttl) fails here, by its reason,
-through the writer; it never reaches the decode loop.
+through the writer; it never reaches the decode loop. A chat turn whose history another
+worker holds in its prompt cache is handed to that worker here, before it is tokenized
+(:mod:`mlxq.worker.routing`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from mlxq.producer.codec import decode_job_data
 from mlxq.producer.connection import TRANSIENT, Outage, backoff
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
-from mlxq.worker.bridge import Bridge, Claimed, LeaseLost
+from mlxq.worker.bridge import HAND_SHARE, HAND_SLACK, Bridge, Claimed, LeaseLost
 from mlxq.worker.jobs import Job
 from mlxq.worker.logs import job_event
+from mlxq.worker.routing import continues
 from mlxq.worker.sink import Sink
 
 log = logging.getLogger("mlxq.worker")
@@ -91,6 +94,8 @@ class Prefetcher:
         max_prompt_chars: Longest prompt (characters) worth tokenizing for this model.
         holds: Whether the worker holds a job id in any state (its end not committed).
         runs: Whether it holds it buffered or running (a second claim is a duplicate).
+        load: Rows the worker holds, running or buffered.
+        routing: Hand chat turns to the worker holding their history.
     """
 
     def __init__(
@@ -103,12 +108,17 @@ class Prefetcher:
         max_prompt_chars: int,
         holds: Callable[[str], bool],
         runs: Callable[[str], bool],
+        load: Callable[[], int] = lambda: 0,
+        routing: bool = True,
     ) -> None:
         self.bridge, self.sink, self.encode = bridge, sink, encode
         self.max_tokens_cap, self.is_held, self.runs = max_tokens_cap, holds, runs
         self.max_prompt_chars = max_prompt_chars
+        self.routing, self.load = routing, load
         self.want = 0
         self.failed = 0
+        self.handed = 0  # jobs handed to another worker
+        self.handed_in = 0  # jobs another worker handed this one
         self._ready: deque[Job] = deque()
         self._ready_ids: set[str] = set()
         self._cond = threading.Condition()
@@ -233,18 +243,54 @@ class Prefetcher:
         return claimed
 
     def _accept(self, claimed: list[Claimed]) -> None:
-        ready = []
-        for c in claimed:
-            job = self._decode(c)
-            if job is not None:
-                ready.append(job)
+        checked = [x for c in claimed if (x := self._check(c)) is not None]
+        if self.routing:
+            checked = self._hand_off(checked)
+        ready = [job for x in checked if (job := self._encode(*x)) is not None]
         if ready:
             with self._cond:
                 self._ready.extend(ready)
                 self._ready_ids.update(j.id for j in ready)
                 self._cond.notify_all()
 
-    def _decode(self, c: Claimed) -> Job | None:
+    def _hand_off(
+        self, checked: list[tuple[str, Claimed, GenerationRequest]]
+    ) -> list[tuple[str, Claimed, GenerationRequest]]:
+        """Hand each chat turn whose history another live worker with free rows holds to
+        it; the rest stay. A hand-off that cannot be made (or whose reply was lost: the
+        start script then refuses a job handed after all) leaves the job here."""
+        queue = self.bridge.queue_name
+        wanted = [
+            (i, k)
+            for i, (_, c, req) in enumerate(checked)
+            if not c.handed and (k := continues(queue, req)) is not None
+        ]
+        self.handed_in += sum(c.handed for _, c, _ in checked)
+        if not wanted:
+            return checked
+        gone: set[int] = set()
+        try:
+            owners = self.bridge.routes([k for _, k in wanted])
+            # What this worker will hold once the jobs it keeps of this claim are in.
+            load = self.load() + len(checked)
+            for (i, _), to in zip(wanted, owners, strict=True):
+                if to is None or to == self.bridge.name:
+                    continue
+                job_id, c, _ = checked[i]
+                most = int((load - len(gone) - 1) * HAND_SHARE) + HAND_SLACK
+                if self.bridge.hand(job_id, to, most) != "ok":
+                    continue
+                gone.add(i)
+                self.handed += 1
+                job_event(log, "handed", job_id, queue, c.attempts + 1, logging.DEBUG, to=to)
+                self.bridge.wake(to, job_id)
+        except Exception as e:  # the jobs not yet handed run here, as without routing
+            log.warning("prefetch: handing chat turns on failed (%s); running them here", e)
+        return [x for i, x in enumerate(checked) if i not in gone]
+
+    def _check(self, c: Claimed) -> tuple[str, Claimed, GenerationRequest] | None:
+        """A claimed job's id and checked request, or None when it cannot run (failed or
+        dropped here, by its reason)."""
         job_id = _readable_id(c.id)
         if job_id is None:
             log.warning("dropped queue entry %r: not a job id", c.id[:80])
@@ -267,6 +313,13 @@ class Prefetcher:
                     f"prompt: {n} characters, more than this model's context "
                     f"can hold (at most {self.max_prompt_chars})"
                 )
+        except PayloadError as e:
+            self._fail(job_id, c, f"invalid job: {e}")
+            return None
+        return job_id, c, req
+
+    def _encode(self, job_id: str, c: Claimed, req: GenerationRequest) -> Job | None:
+        try:
             ids = self.encode(req)
         except PayloadError as e:
             self._fail(job_id, c, f"invalid job: {e}")

@@ -1,25 +1,40 @@
 -- Claim jobs for a worker: move up to N more ids from the queue into its WIP list and read
 -- what it needs of each, size-capped, never decompressing anything here.
--- KEYS: queue, wip, alive, canceled registry
+-- Jobs another worker handed this one (its handed set) come first, then the queue's.
+-- KEYS: queue, wip, alive, canceled registry, handed set
 -- ARGV: token, worker, now_ts, now_str, n, max_data_bytes, failure_ttl_cap, notice, ids...
 --   (ids: already moved into wip by a blocking BLMOVE, or found there by reconcile)
 -- Returns {'lease'} when the worker's lease is not its own (it was declared dead: what it
 -- was handed goes back to the queue's front), else one entry per id:
---   {id, 'ok', data, attempt, clean, enqueued_at} | {id, 'dup', status} | {id, 'missing'}
---   | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes} | {id, 'bad', field=value}
+--   {id, 'ok', data, attempt, clean, enqueued_at, handed ('1' or '')} | {id, 'dup', status}
+--   | {id, 'missing'} | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes} | {id, 'bad', field=value}
 --   | {id, 'broken', what} (its record was no hash: rebuilt as this worker's, to fail)
 --   | {id, 'oom'} (not claimed: Redis refused the write).
-local queue, wip, alive, canceled = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local queue, wip, alive, canceled, handed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local n, cap, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
-local ids = {}
-for i = 9, #ARGV do ids[#ids + 1] = ARGV[i] end
+local ids, seen = {}, {}
+for i = 9, #ARGV do
+  if not seen[ARGV[i]] then ids[#ids + 1] = ARGV[i] end
+  seen[ARGV[i]] = true
+end
 
 if redis.call('GET', alive) ~= token then
   for i = #ids, 1, -1 do
     if redis.call('LREM', wip, 1, ids[i]) == 1 then redis.call('LPUSH', queue, ids[i]) end
   end
   return {'lease'}
+end
+drop_wrong_type(handed, 'zset')
+if n > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', handed, 0, n - 1)) do
+    redis.call('ZREM', handed, id)
+    if not seen[id] and redis.call('LPOS', wip, id) then
+      ids[#ids + 1] = id
+      seen[id] = true
+      n = n - 1
+    end
+  end
 end
 for _ = 1, n do
   local id = redis.pcall('LMOVE', queue, wip, 'LEFT', 'RIGHT')
@@ -34,7 +49,8 @@ for _, id in ipairs(ids) do
   local f = {}
   if record == 'ok' then
     f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_clean',
-                   'mlxq_cancel', 'enqueued_at', 'failure_ttl')
+                   'mlxq_cancel', 'enqueued_at', 'failure_ttl', 'mlxq_handed')
+    redis.call('ZREM', handed, id)  -- claimed (or dropped) here: never given back
   end
   local status, owner = f[1], f[2] or ''
   if record == 'rebuilt' then
@@ -69,7 +85,8 @@ for _, id in ipairs(ids) do
       elseif size > cap then
         out[#out + 1] = {id, 'toolarge', size}
       else
-        out[#out + 1] = {id, 'ok', redis.call('HGET', jk, 'data'), attempt, clean, f[6] or ''}
+        out[#out + 1] = {id, 'ok', redis.call('HGET', jk, 'data'), attempt, clean, f[6] or '',
+                         f[8] and '1' or ''}
       end
     end
   end

@@ -1,0 +1,41 @@
+-- Hand a job this worker claimed (and has not started) to the worker whose prompt cache
+-- holds its conversation: out of this worker's WIP list into that one's, unclaimed (no
+-- owner), noted in its handed set so it claims it next. Every check comes first; a job is
+-- handed at most once, and only to a live worker with free rows that is not much busier
+-- than this one (a chat's turns follow its cache, but never pile onto one worker while
+-- another idles).
+-- KEYS: alive, wip, to alive, to wip, to handed, to stats, the queue's roll of workers
+-- ARGV: token, worker, id, to name, now ms, handed set ttl ms, the most rows the other may
+--       hold (running and buffered, as its last stats said)
+-- Returns 'ok' | 'lease' | 'gone' (no live worker of this queue) | 'full' (no free row)
+--   | 'busy' | 'job'
+--   (not this worker's unstarted job, or handed before) | 'keys' (a key of the wrong type)
+--   | 'oom'.
+local alive, wip, to_alive, to_wip, handed, to_stats, roll =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local token, worker, id, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if redis.call('GET', alive) ~= token then return 'lease' end
+local jk = jkey(id)
+local f = redis.pcall('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_handed')
+if is_err(f) or f[1] ~= 'queued' or f[2] ~= worker or f[3] == '1' or f[4] then return 'job' end
+if not redis.call('LPOS', wip, id) then return 'job' end
+if to == worker or redis.call('EXISTS', to_alive) == 0 then return 'gone' end
+local serves = redis.pcall('SISMEMBER', roll, to)  -- a worker of another queue: never
+if is_err(serves) or serves == 0 then return 'gone' end
+f = redis.pcall('HMGET', to_stats, 'room', 'load')
+if is_err(f) or (tonumber(f[1]) or 0) < 1 then return 'full' end
+if (tonumber(f[2]) or math.huge) > tonumber(ARGV[7]) then return 'busy' end
+for k, want in pairs({[to_wip] = 'list', [handed] = 'zset'}) do
+  local t = redis.call('TYPE', k)['ok']
+  if t ~= want and t ~= 'none' then return 'keys' end
+end
+if is_err(redis.pcall('HSET', jk, 'mlxq_handed', to)) then return 'oom' end
+redis.call('HDEL', jk, 'mlxq_owner')
+redis.call('LREM', wip, 1, id)
+redis.call('RPUSH', to_wip, id)
+redis.call('ZADD', handed, tonumber(ARGV[5]), id)
+redis.call('PEXPIRE', handed, tonumber(ARGV[6]))
+-- Until its next stats say otherwise, it has one row less and one job more.
+redis.pcall('HINCRBY', to_stats, 'room', -1)
+redis.pcall('HINCRBY', to_stats, 'load', 1)
+return 'ok'
