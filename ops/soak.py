@@ -7,7 +7,9 @@ poison jobs written straight to Redis; and the hostile entries of issue 8: valid
 other keys are poisoned, ids that are not UTF-8 on the queue, forged cancel and channel
 messages and a forged log entry, a worker frozen (SIGSTOP) past its lease while another
 runs, the same id queued twice, cancels racing the ends of jobs, and Redis at maxmemory
-(noeviction) for a few seconds. Listeners follow a sample of streams; each worker's decode
+(noeviction) for a few seconds. Beside them, a few chats run turn by turn, each turn
+resending the history, so turns are handed to the worker holding it under every fault.
+Listeners follow a sample of streams; each worker's decode
 steps are scraped from its metrics port every 0.2 s. Every job must end exactly once,
 finished, failed with a reason, or canceled; no listener may see a chunk twice or a text
 that differs from the result; no worker may go a second without a decode step while it has
@@ -274,6 +276,11 @@ SHARED_PREFIX = "Answer in the style of these notes. " + " ".join(
 )
 
 
+#: Chats that run turn by turn beside the soak's jobs (their turns are handed between
+#: workers).
+CHATS = 4
+
+
 def job_kwargs(k: int) -> dict[str, Any]:
     """Job k of the soak: one of five sampling groups, a varied prompt (every third after
     a shared prefix), 8-24 tokens."""
@@ -333,6 +340,25 @@ class Soak:
             if start + batch >= n // 2 and not half.is_set():
                 self.t.memory["middle"] = self.c.memory()
                 half.set()
+
+    def chatter(self, k: int, stop: threading.Event) -> None:
+        """One chat, turn by turn, while the soak runs: each turn resends the history, so
+        the workers hand turns to the one holding it, under every fault. A turn that does
+        not finish (canceled by a fault, Redis away) starts the chat over."""
+        rng = random.Random(-k)
+        messages: list[dict[str, str]] = []
+        while not stop.is_set():
+            if not messages or len(messages) > 6:  # prompts as long as the soak's longest
+                messages = [{"role": "system", "content": f"chat {k}: {SHARED_PREFIX}"}]
+            words = " ".join(rng.sample(WORDS, 6))
+            messages.append({"role": "user", "content": f"turn {len(messages)}: {words}"})
+            (job,) = self.submit(
+                [{"messages": messages, "max_tokens": 8, "temperature": 0}], "chat"
+            )
+            try:
+                messages.append({"role": "assistant", "content": job.result(timeout=60).text})
+            except Exception:
+                messages = []
 
     def listen(self, job_id: str) -> None:
         with self.t.lock:
@@ -834,8 +860,18 @@ class Soak:
         poller.start()
         submitting = threading.Thread(target=self.submitter, args=(half,), daemon=True)
         submitting.start()
+        talking = threading.Event()
+        chats = [
+            threading.Thread(target=self.chatter, args=(k, talking), daemon=True)
+            for k in range(CHATS)
+        ]
+        for th in chats:
+            th.start()
         self.inject(submitting)
         submitting.join()
+        talking.set()
+        for th in chats:
+            th.join(70)
         if self.submitted < self.args.jobs:
             self.say(f"the submitter stopped after {self.submitted} of {self.args.jobs} jobs")
         self.drain()
@@ -963,6 +999,8 @@ class Soak:
             rows.append((f"worker RSS {phase}", ", ".join(f"{n} {m} MiB" for n, m in rss.items())))
         hits = sum(w.get("prompt_cache_hits", 0) for w in collect(self.c.r)["workers"])
         rows.append(("prompt cache hits (must be > 0)", hits))
+        handed = sum(w.get("jobs_handed_out", 0) for w in collect(self.c.r)["workers"])
+        rows.append(("chat turns handed, by live workers (must be > 0)", handed))
         rows += self.leftovers()
         print()
         for k, v in rows:
@@ -986,6 +1024,7 @@ class Soak:
             "SIGTERM exit != 0": sum(rc != 0 for rc in t.sigterm_rcs),
             "workers died unasked": len(t.unexpected_exits),
             "no prompt cache hit": hits == 0,
+            "no chat turn handed": handed == 0,
         }
         bad = {k: v for k, v in bad.items() if v}
         print(f"\n{'FAIL: ' + str(bad) if bad else 'PASS'}")
