@@ -175,7 +175,12 @@ class Worker:
 
     def load(self) -> int:
         """Rows this worker holds, running or buffered (safe from any thread)."""
-        return sum(j.status in (Status.RUNNING, Status.BUFFERED) for j in list(self.jobs.values()))
+        return sum(self._rows())
+
+    def _rows(self) -> tuple[int, int]:
+        """Jobs running and jobs buffered (safe from any thread)."""
+        statuses = [j.status for j in list(self.jobs.values())]
+        return statuses.count(Status.RUNNING), statuses.count(Status.BUFFERED)
 
     def _poke(self) -> None:
         self.liveness.poke()
@@ -559,9 +564,7 @@ class Worker:
 
     def stats(self) -> tuple[str, dict[str, Any]]:
         c = self.engine.counters
-        jobs = list(self.jobs.values())
-        running = sum(j.status is Status.RUNNING for j in jobs)
-        buffered = sum(j.status is Status.BUFFERED for j in jobs)
+        running, buffered = self._rows()
         room = 0 if self.suspended else max(0, self.config.max_batch - running - buffered)
         state = "busy" if running else "suspended" if self.suspended else "idle"
         return state, {
