@@ -259,3 +259,25 @@ def test_rogue_routing_keys_never_stop_a_chat(redis_server, queue_name, start_wo
         messages.append({"role": "assistant", "content": res.text})
     assert a.proc.poll() is None and b.proc.poll() is None
     assert "Traceback" not in a.output() + b.output()
+
+
+def test_a_worker_whose_acl_denies_client_commands_still_serves_and_takes_handed_turns(
+    redis_server, queue_name, start_worker, r
+):
+    # Wake-ups use CLIENT ID and CLIENT UNBLOCK; a Redis user without them loses only those.
+    user = f"noclient-{queue_name}"
+    r.execute_command(
+        "ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-client|id", "-client|unblock"
+    )
+    try:
+        url = redis_server.url.replace("redis://", f"redis://{user}:pw@")
+        a = start_worker(max_batch=8, redis_url=url)
+        b = start_worker(max_batch=8, redis_url=url)
+        client = Client(redis_server.url, queue=queue_name)
+        ran = _chat(client, 4)
+        assert ran == [ran[0]] * 4, ran
+        for w in (a, b):
+            assert w.output().count("routing: cannot name") <= 1
+            assert "Traceback" not in w.output()
+    finally:
+        r.execute_command("ACL", "DELUSER", user)

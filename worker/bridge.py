@@ -253,7 +253,8 @@ class Bridge:
         self.k_finished, self.k_failed = keys.finished_registry(q), keys.failed_registry(q)
         self.k_canceled = keys.canceled_registry(q)
         self.k_handed, self.k_blocker = keys.handed_key(self.name), keys.blocker_key(self.name)
-        self._blocker: tuple[int, float] | None = None  # (client id, written at)
+        self._blocker: tuple[int, float] | None = None  # (client id, write again after)
+        self._blocker_refused = False
         self.rq_queue = Queue(q, connection=self.redis, serializer=MsgpackSerializer)
         # rq's own job log lines would name a job by its description; mlxq logs its own.
         self.rq_worker = SimpleWorker(
@@ -443,11 +444,24 @@ class Bridge:
     def _note_blocker(self) -> None:
         """Name the connection this worker blocks on, so a worker handing it a job can
         wake it; written again when the connection changed, or every half TTL."""
-        cid = int(self.mover.client_id())
-        now = time.monotonic()
-        if self._blocker is None or self._blocker[0] != cid or now > self._blocker[1]:
-            self.mover.set(self.k_blocker, cid, ex=BLOCKER_TTL)
-            self._blocker = (cid, now + BLOCKER_TTL / 2)
+        if self._blocker_refused:
+            return
+        try:
+            cid = int(self.mover.client_id())
+            now = time.monotonic()
+            if self._blocker is None or self._blocker[0] != cid or now > self._blocker[1]:
+                self.mover.set(self.k_blocker, cid, ex=BLOCKER_TTL)
+                self._blocker = (cid, now + BLOCKER_TTL / 2)
+        except redis.exceptions.NoPermissionError as e:  # an ACL without CLIENT: no wake-ups
+            log.warning(
+                "routing: cannot name this worker's idle connection (%s); a job "
+                "handed to it while idle waits up to %.0f s",
+                e,
+                BLOCK_S,
+            )
+            self._blocker_refused = True
+        except redis.ResponseError:  # out of memory, say: named at the next idle wait
+            self._blocker = None
 
     def routes(self, route_keys: Sequence[str]) -> list[str | None]:
         """The worker each route key names (None: none, or no readable name)."""
