@@ -44,7 +44,7 @@ from mlxq.producer.codec import (
     first_seq,
 )
 from mlxq.producer.connection import connect
-from mlxq.worker.config import WorkerConfig
+from mlxq.worker.config import WorkerConfig, is_worker_name
 
 log = logging.getLogger("mlxq.worker")
 
@@ -67,6 +67,8 @@ HAND_GRACE_MS = 500
 #: at most this share more rows than the one that claimed it, plus :data:`HAND_SLACK`.
 HAND_SHARE = 1.5
 HAND_SLACK = 4
+#: How long a worker's handed set outlives its last entry (a dead worker's goes).
+HANDED_TTL_MS = 60_000
 #: How long a worker is named as holding a finished conversation (its cache may have
 #: dropped it sooner: then the next turn is a miss, as without routing).
 ROUTE_TTL = 900
@@ -218,10 +220,8 @@ def _now_ms() -> int:
 
 def _worker_name(v: Any) -> str | None:
     """A worker name read from Redis, or None when it could not be one."""
-    if not isinstance(v, bytes) or not 0 < len(v) <= 200:
-        return None
-    name = v.decode("utf-8", "replace")
-    return name if name.isprintable() and not any(c.isspace() or c == ":" for c in name) else None
+    name = v.decode("utf-8", "replace") if isinstance(v, bytes) else None
+    return name if is_worker_name(name) else None
 
 
 def _s(v: Any) -> str:
@@ -404,7 +404,7 @@ class Bridge:
     def write_stats(self, state: str, stats: dict[str, Any]) -> None:
         key = keys.worker_stats_key(self.name)
         with self.redis.pipeline() as p:
-            # Its free rows on their own: the hand script reads them (it reads no msgpack).
+            # Its free rows and load on their own: the hand script reads them (no msgpack).
             p.hset(
                 key,
                 mapping={
@@ -485,7 +485,7 @@ class Bridge:
                     keys.worker_stats_key(to),
                     self.k_roll,
                 ],
-                [self.token, self.name, job_id, to, _now_ms(), 60_000, most_load],
+                [self.token, self.name, job_id, to, _now_ms(), HANDED_TTL_MS, most_load],
             )
         )
 

@@ -35,6 +35,15 @@ def default_name() -> str:
     return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
 
 
+def is_worker_name(name: object) -> bool:
+    """1 to 200 characters, no spaces or ':' (it is part of Redis key names)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 200
+        and not any(c.isspace() or c == ":" for c in name)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """Everything ``mlxq worker`` takes; checked on construction.
@@ -103,11 +112,7 @@ class WorkerConfig:
             raise ValueError(f"metrics_host={self.metrics_host!r}: give an address to bind")
         if self.name is None:
             object.__setattr__(self, "name", default_name())
-        elif (
-            not isinstance(self.name, str)
-            or not 0 < len(self.name) <= 200
-            or any(c.isspace() or c == ":" for c in self.name)
-        ):
+        elif not is_worker_name(self.name):
             raise ValueError(f"name={self.name!r}: 1 to 200 characters, no spaces or ':'")
 
     @property

@@ -244,6 +244,7 @@ class Prefetcher:
 
     def _accept(self, claimed: list[Claimed]) -> None:
         checked = [x for c in claimed if (x := self._check(c)) is not None]
+        self.handed_in += sum(c.handed for _, c, _ in checked)
         if self.routing:
             checked = self._hand_off(checked)
         ready = [job for x in checked if (job := self._encode(*x)) is not None]
@@ -265,7 +266,6 @@ class Prefetcher:
             for i, (_, c, req) in enumerate(checked)
             if not c.handed and (k := continues(queue, req)) is not None
         ]
-        self.handed_in += sum(c.handed for _, c, _ in checked)
         if not wanted:
             return checked
         gone: set[int] = set()

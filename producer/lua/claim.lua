@@ -7,7 +7,8 @@
 -- Returns {'lease'} when the worker's lease is not its own (it was declared dead: what it
 -- was handed goes back to the queue's front), else one entry per id:
 --   {id, 'ok', data, attempt, clean, enqueued_at, handed ('1' or '')} | {id, 'dup', status}
---   | {id, 'missing'} | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes} | {id, 'bad', field=value}
+--   | {id, 'missing'} | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes}
+--   | {id, 'bad', field=value}
 --   | {id, 'broken', what} (its record was no hash: rebuilt as this worker's, to fail)
 --   | {id, 'oom'} (not claimed: Redis refused the write).
 local queue, wip, alive, canceled, handed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
