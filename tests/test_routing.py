@@ -128,6 +128,15 @@ def _claimed_by(b, job) -> object:
     return c
 
 
+def _hand_one(to, by, r, client: Client) -> object:
+    """A chat turn claimed by ``by`` and handed to ``to``."""
+    job = _turn(client)
+    _claimed_by(by, job)
+    _room(r, to.name, 1)
+    assert by.hand(job.id, to.name, 8) == "ok"
+    return job
+
+
 def test_a_job_is_handed_only_to_a_live_worker_with_room_and_only_once(
     bridges, redis_server, queue_name, r
 ):
@@ -176,10 +185,8 @@ def test_a_handed_job_left_unclaimed_goes_back_to_the_queue_front(
 
     to, by = bridges
     client = Client(redis_server.url, queue=queue_name)
-    job, behind = _turn(client), client.submit("behind it", max_tokens=2)
-    _claimed_by(by, job)
-    _room(r, to.name, 1)
-    assert by.hand(job.id, to.name, 8) == "ok"
+    job = _hand_one(to, by, r, client)
+    behind = client.submit("behind it", max_tokens=2)
     assert to.beat() == "ok" and to.wip() == [job.id.encode()]  # within the grace: kept
     time.sleep(HAND_GRACE_MS / 1000 + 0.1)
     assert to.beat() == "ok"
@@ -195,10 +202,7 @@ def test_a_handed_job_canceled_before_it_is_claimed_ends_canceled(
 ):
     to, by = bridges
     client = Client(redis_server.url, queue=queue_name)
-    job = _turn(client)
-    _claimed_by(by, job)
-    _room(r, to.name, 1)
-    assert by.hand(job.id, to.name, 8) == "ok"
+    job = _hand_one(to, by, r, client)
     assert job.cancel() is True
     (c,) = to.claim(1)
     assert c.verdict == "canceled" and job.status() == "canceled" and not to.wip()
@@ -210,10 +214,7 @@ def test_a_worker_that_dies_holding_a_handed_job_has_it_run_elsewhere(
 ):
     to, by = bridges
     client = Client(redis_server.url, queue=queue_name)
-    job = _turn(client)
-    _claimed_by(by, job)
-    _room(r, to.name, 1)
-    assert by.hand(job.id, to.name, 8) == "ok"
+    job = _hand_one(to, by, r, client)
     r.delete(keys.alive_key(to.name))  # its lease ran out: dead
     start_worker()  # reaps the dead one at its first heartbeat: the job runs here
     assert job.result(timeout=60).finish_reason in ("stop", "length")
@@ -225,10 +226,7 @@ def test_a_graceful_stop_gives_back_what_was_handed_and_not_claimed(
 ):
     to, by = bridges
     client = Client(redis_server.url, queue=queue_name)
-    job = _turn(client)
-    _claimed_by(by, job)
-    _room(r, to.name, 1)
-    assert by.hand(job.id, to.name, 8) == "ok"
+    job = _hand_one(to, by, r, client)
     assert to.give_back() == 1
     assert r.lrange(keys.queue_key(queue_name), 0, -1) == [job.id.encode()]
 
