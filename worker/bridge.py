@@ -492,17 +492,17 @@ class Bridge:
     def wake(self, to: str, job_id: str, tries: int = 25) -> bool:
         """Wake worker ``to`` should it be blocked waiting for the queue; gives up once
         it has claimed ``job_id`` (it was not blocked, or woke) or after ``tries``."""
-        for _ in range(tries):
-            try:
-                raw = self.mover.get(keys.blocker_key(to))
-                cid = int(raw) if isinstance(raw, bytes) and raw.isdigit() else None
+        try:
+            raw = self.mover.get(keys.blocker_key(to))
+            cid = int(raw) if isinstance(raw, bytes) and raw.isdigit() else None
+            for _ in range(tries):
                 if cid is not None and self.mover.client_unblock(cid):
                     return True
                 if self.mover.zscore(keys.handed_key(to), job_id) is None:
                     return True
-            except redis.ResponseError:  # a rogue key of another type: its beat gives back
-                return False
-            time.sleep(0.002)
+                time.sleep(0.002)
+        except redis.ResponseError:  # a rogue key of another type: its beat gives back
+            pass
         return False
 
     def wip(self) -> list[bytes]:

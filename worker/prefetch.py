@@ -108,8 +108,8 @@ class Prefetcher:
         max_prompt_chars: int,
         holds: Callable[[str], bool],
         runs: Callable[[str], bool],
-        load: Callable[[], int] = lambda: 0,
-        routing: bool = True,
+        load: Callable[[], int],
+        routing: bool,
     ) -> None:
         self.bridge, self.sink, self.encode = bridge, sink, encode
         self.max_tokens_cap, self.is_held, self.runs = max_tokens_cap, holds, runs
