@@ -152,6 +152,46 @@ def run(
     }
 
 
+def decode_floor(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """What mlx-lm's own BatchGenerator spends decoding the sweep, prefill left out: the
+    bound under any queue built on it, however cheap its prefill.
+
+    Three batches of the sweep's prompts, each prefilled untimed; then its decode steps
+    timed from the device's idle to the last row's end. A job's first token comes from its
+    prefill, so the sweep needs ``max_tokens - 1`` decode steps a batch, ``jobs / batch``
+    batches (the last, partial batch counted pro rata: a floor, not an estimate)."""
+    from mlx_lm.generate import BatchGenerator
+
+    steps_s = []
+    for r in range(3):
+        rows = prompts[r * args.batch : (r + 1) * args.batch]
+        gen = BatchGenerator(
+            model,
+            max_tokens=args.max_tokens,
+            completion_batch_size=len(rows),
+            prefill_batch_size=len(rows),
+        )
+        gen.insert(rows)
+        started = 0
+        while started < len(rows):  # prefill, untimed
+            prefilled, _ = gen.next()
+            started += sum(1 for o in prefilled if o.end_of_prompt)
+        mx.synchronize()
+        t, steps, ended = time.perf_counter(), 0, 0
+        while ended < len(rows):
+            _, out = gen.next()
+            steps += 1
+            ended += sum(1 for o in out if o.finish_reason is not None)
+        mx.synchronize()
+        steps_s.append((time.perf_counter() - t) / steps)
+        gen.close()
+    step = sorted(steps_s)[1]
+    return {
+        "decode_step_ms": round(step * 1e3, 2),
+        "floor_s": round(step * (args.max_tokens - 1) * args.jobs / args.batch, 2),
+    }
+
+
 WORDS = [
     "the",
     "boats",
@@ -297,6 +337,12 @@ def main() -> None:
         help="with --trace, wait for the device after each phase so its GPU time is "
         "counted there (slower; default: off)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time mlx-lm's own BatchGenerator decoding the sweep (prefill left out): "
+        "the least wall time any queue built on it could reach",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
@@ -332,9 +378,17 @@ def main() -> None:
     )
     print(f"{'cache bytes at the end':24}{0:>14}{on['prompt_cache_bytes_end']:>14}")
     print(f"outputs identical: {same}")
+    floor = decode_floor(model, prompts, args) if args.floor else None
+    if floor:
+        print(
+            f"mlx-lm BatchGenerator alone: {floor['decode_step_ms']} ms a decode step at batch "
+            f"{args.batch}, so decoding the sweep takes at least {floor['floor_s']} s; "
+            f"cache off's wall / on's at most {off['wall_s'] / floor['floor_s']:.2f}x"
+        )
     if args.json:
         doc = {
             "args": vars(args),
+            "decode_floor": floor,
             "model": path,
             "off": {k: v for k, v in off.items() if k != "outputs"},
             "on": {k: v for k, v in on.items() if k != "outputs"},
