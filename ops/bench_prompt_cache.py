@@ -346,6 +346,8 @@ def main() -> None:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
+    if args.floor and args.jobs < 3 * args.batch:
+        p.error(f"--floor times three batches: --jobs {args.jobs} < 3 x --batch {args.batch}")
     if args.trace:
         trace_phases(args.trace_sync)
     path = _model_path(args)
