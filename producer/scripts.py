@@ -32,6 +32,7 @@ NAMES = (
     "cancel",
     "hand",
     "giveback",
+    "leave",
     "route",
 )
 

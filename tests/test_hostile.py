@@ -410,7 +410,7 @@ def test_a_claimed_job_canceled_before_it_fails_to_start_ends_canceled(
         assert [c.finish_reason for c in job.stream(timeout=10)][-1] == "canceled"
         assert not bridge.wip()
     finally:
-        bridge.unregister(leave=True)
+        bridge.unregister(settled=True)
 
 
 def test_the_registry_sweep_never_inflates_a_bomb(redis_server, queue_name, start_worker, r):

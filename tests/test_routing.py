@@ -105,16 +105,18 @@ def bridges(redis_server, queue_name, tmp_path):
         made[-1].register()
     yield made
     for b in made:
-        b.unregister(leave=True)
+        b.unregister(settled=True)
+
+
+TURN = [
+    {"role": "user", "content": "hello"},
+    {"role": "assistant", "content": "hi"},
+    {"role": "user", "content": "and then?"},
+]
 
 
 def _turn(client: Client) -> object:
-    messages = [
-        {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": "hi"},
-        {"role": "user", "content": "and then?"},
-    ]
-    return client.submit(messages=messages, max_tokens=4)
+    return client.submit(messages=TURN, max_tokens=4)
 
 
 def _room(r, name: str, room: object, load: int = 0) -> None:
@@ -227,8 +229,84 @@ def test_a_graceful_stop_gives_back_what_was_handed_and_not_claimed(
     to, by = bridges
     client = Client(redis_server.url, queue=queue_name)
     job = _hand_one(to, by, r, client)
-    assert to.give_back() == 1
+    assert to.unregister(settled=True) == 1
     assert r.lrange(keys.queue_key(queue_name), 0, -1) == [job.id.encode()]
+    assert not to.wip() and not r.sismember(keys.workers_key(queue_name), to.name)
+    # Gone in the same script: no hand lands on it after (one that did would be stranded,
+    # in the list of a worker no reaper looks at).
+    other = _turn(client)
+    _claimed_by(by, job)
+    _claimed_by(by, other)
+    _room(r, to.name, 1)
+    assert by.hand(other.id, to.name, 8) == "gone"
+
+
+def test_a_worker_that_stops_holding_a_job_stays_on_the_roll_for_the_reaper(
+    bridges, redis_server, queue_name, r
+):
+    to, by = bridges
+    client = Client(redis_server.url, queue=queue_name)
+    job = _hand_one(to, by, r, client)
+    _claimed_by(to, job)
+    assert to.unregister(settled=True) == 0  # claimed: its own now, not given back
+    assert r.sismember(keys.workers_key(queue_name), to.name)
+    assert r.get(keys.alive_key(to.name)) is None and to.wip() == [job.id.encode()]
+
+
+def test_a_job_given_back_is_not_claimed_by_a_stale_read_of_the_list(
+    bridges, redis_server, queue_name, r
+):
+    from mlxq.worker.bridge import HAND_GRACE_MS
+
+    to, by = bridges
+    client = Client(redis_server.url, queue=queue_name)
+    job = _hand_one(to, by, r, client)
+    stale = to.wip()  # the prefetch thread reads its list...
+    time.sleep(HAND_GRACE_MS / 1000 + 0.1)
+    assert to.beat() == "ok"  # ...the heartbeat gives the job back meanwhile...
+    (c,) = to.claim(0, stale)  # ...and the claim of what it read must not take it
+    assert c.verdict == "missing"
+    assert r.hget(keys.job_key(job.id), "mlxq_owner") is None
+    (c,) = by.claim(1)  # whoever claims it from the queue runs it
+    assert c.verdict == "ok" and c.id.decode() == job.id and by.wip() == [job.id.encode()]
+
+
+def test_a_hand_whose_reply_is_lost_is_not_run_on_a_guess(bridges, redis_server, queue_name, r):
+    import redis as redis_py
+
+    from mlxq.producer.params import GenerationRequest
+    from mlxq.worker.prefetch import Prefetcher
+    from mlxq.worker.routing import continues
+
+    to, by = bridges
+    client = Client(redis_server.url, queue=queue_name)
+    job = _turn(client)
+    (c,) = by.claim(1)
+    req = GenerationRequest(messages=TURN)
+    r.set(continues(queue_name, req), to.name)  # ``to`` made the last reply
+    _room(r, to.name, 4)
+    real_hand = by.hand
+
+    def hand_then_lose_reply(*a):
+        real_hand(*a)
+        raise redis_py.ConnectionError("connection reset")
+
+    by.hand = hand_then_lose_reply
+    p = Prefetcher(
+        by,
+        None,  # type: ignore[arg-type]
+        lambda req: [1, 2, 3],
+        max_tokens_cap=64,
+        max_prompt_chars=10_000,
+        holds=lambda _: False,
+        runs=lambda _: False,
+        load=lambda: 0,
+        routing=True,
+    )
+    p._resync = False
+    assert p._hand_off([(job.id, c, req)]) == []  # not kept to run here...
+    assert p._resync  # ...the WIP list, looked over next, says whose it is
+    assert not by.wip() and to.wip() == [job.id.encode()]
 
 
 def test_rogue_routing_keys_never_stop_a_chat(redis_server, queue_name, start_worker, r):

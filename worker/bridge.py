@@ -281,15 +281,28 @@ class Bridge:
         self.set_state("idle")
         self.beat()
 
-    def unregister(self, leave: bool) -> None:
-        """Leave for good. ``leave``: the worker holds nothing, so it leaves the roll;
-        otherwise it stays on it, its lease dropped, for a live worker to reap at once."""
-        with self.redis.pipeline() as p:
-            if leave:
-                p.srem(self.k_roll, self.name)
-            p.delete(self.k_alive, keys.worker_stats_key(self.name))
-            p.execute()
+    def unregister(self, settled: bool) -> int:
+        """Leave for good, in one script: lease and stats dropped (nothing is handed here
+        after), every job handed here and not claimed back to the queue; then, ``settled``
+        (every job it ran has ended) and holding nothing, off the roll, else on it for a live
+        worker to reap at once. Returns how many handed jobs went back."""
+        verdict, n = scripts.call(
+            self.redis,
+            "leave",
+            [
+                self.k_alive,
+                self.k_roll,
+                keys.worker_stats_key(self.name),
+                self.k_handed,
+                self.k_wip,
+                self.k_queue,
+            ],
+            [self.token, self.name, "1" if settled else ""],
+        )
+        if _s(verdict) != "left":
+            log.info("stopped holding jobs: a live worker requeues them")
         self.rq_worker.register_death()
+        return int(n)
 
     def set_state(self, state: str) -> None:
         if state != self._state:
@@ -317,21 +330,14 @@ class Bridge:
                     [self.k_alive, self.k_roll, keys.reaped_key(self.name)],
                     [self.token, self.name, LEASE_MS],
                 ),
-                self._give_back_call(_now_ms() - HAND_GRACE_MS),
+                (
+                    "giveback",
+                    [self.k_alive, self.k_handed, self.k_wip, self.k_queue],
+                    [self.token, _now_ms() - HAND_GRACE_MS],
+                ),
             ],
         )
         return _s(verdict)
-
-    def give_back(self) -> int:
-        """Every job handed here and not claimed goes back to the queue (shutdown)."""
-        return int(scripts.run(self.redis, [self._give_back_call(_now_ms())])[0])
-
-    def _give_back_call(self, cutoff_ms: int) -> tuple[str, list[str], list[scripts.Arg]]:
-        return (
-            "giveback",
-            [self.k_alive, self.k_handed, self.k_wip, self.k_queue],
-            [self.token, cutoff_ms],
-        )
 
     def rejoin(self) -> int:
         """After being reaped: a new token (old writes stay refused), and what a queue

@@ -155,10 +155,9 @@ class Worker:
         self.liveness.stop()
         self.metrics.close()
         try:
-            self.bridge.give_back()  # jobs handed here and not claimed: back to the queue
-            # Leave the roll only with nothing held; else stay on it, lease dropped, so a
-            # live worker requeues what this one still holds at once.
-            self.bridge.unregister(leave=settled and not self.bridge.wip())
+            # Jobs handed here and not claimed go back to the queue; the roll is left only
+            # with nothing held, else a live worker requeues what this one holds at once.
+            self.bridge.unregister(settled)
         except Exception as e:  # Redis is gone: the reaper covers for us
             log.warning("on exit: %s", e)
         log.info("worker %s stopped", self.name)
@@ -565,7 +564,9 @@ class Worker:
     def stats(self) -> tuple[str, dict[str, Any]]:
         c = self.engine.counters
         running, buffered = self._rows()
-        room = 0 if self.suspended else max(0, self.config.max_batch - running - buffered)
+        # Stopping or suspended: no free rows, so no chat turn is handed here.
+        stopping = self.suspended or self._stop.is_set()
+        room = 0 if stopping else max(0, self.config.max_batch - running - buffered)
         state = "busy" if running else "suspended" if self.suspended else "idle"
         return state, {
             "name": self.name,

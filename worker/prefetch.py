@@ -258,8 +258,8 @@ class Prefetcher:
         self, checked: list[tuple[str, Claimed, GenerationRequest]]
     ) -> list[tuple[str, Claimed, GenerationRequest]]:
         """Hand each chat turn whose history another live worker with free rows holds to
-        it; the rest stay. A hand-off that cannot be made (or whose reply was lost: the
-        start script then refuses a job handed after all) leaves the job here."""
+        it; the rest stay. A hand-off that cannot be made leaves the job here; one whose
+        reply was lost leaves it to the next look over the WIP list."""
         queue = self.bridge.queue_name
         wanted = [
             (i, k)
@@ -278,7 +278,16 @@ class Prefetcher:
                     continue
                 job_id, c, _ = checked[i]
                 most = int((load - len(gone) - 1) * HAND_SHARE) + HAND_SLACK
-                if self.bridge.hand(job_id, to, most) != "ok":
+                try:
+                    verdict = self.bridge.hand(job_id, to, most)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    # Its reply lost, the job may have gone: it does not run here on a guess
+                    # (should it come back, a second claim of it would drop its only WIP
+                    # entry). The WIP list, looked over next turn, says whether it is ours.
+                    gone.add(i)
+                    self._resync = True
+                    raise
+                if verdict != "ok":
                     continue
                 gone.add(i)
                 self.handed += 1

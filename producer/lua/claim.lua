@@ -3,7 +3,8 @@
 -- Jobs another worker handed this one (its handed set) come first, then the queue's.
 -- KEYS: queue, wip, alive, canceled registry, handed set
 -- ARGV: token, worker, now_ts, now_str, n, max_data_bytes, failure_ttl_cap, notice, ids...
---   (ids: already moved into wip by a blocking BLMOVE, or found there by reconcile)
+--   (ids: already moved into wip by a blocking BLMOVE, or found there by reconcile; one no
+--   longer there is 'missing')
 -- Returns {'lease'} when the worker's lease is not its own (it was declared dead: what it
 -- was handed goes back to the queue's front), else one entry per id:
 --   {id, 'ok', data, attempt, clean, enqueued_at, handed ('1' or '')} | {id, 'dup', status}
@@ -27,6 +28,13 @@ if redis.call('GET', alive) ~= token then
   return {'lease'}
 end
 drop_wrong_type(handed, 'zset')
+-- An id passed in was in the WIP list when the caller read it; this worker's heartbeat may
+-- have given it back to the queue since (handed here, left unclaimed): not its own now.
+local out, passed = {}, ids
+ids = {}
+for _, id in ipairs(passed) do
+  if redis.call('LPOS', wip, id) then ids[#ids + 1] = id else out[#out + 1] = {id, 'missing'} end
+end
 if n > 0 then
   for _, id in ipairs(redis.call('ZRANGE', handed, 0, n - 1)) do
     redis.call('ZREM', handed, id)
@@ -43,7 +51,6 @@ for _ = 1, n do
   ids[#ids + 1] = id
 end
 
-local out = {}
 for _, id in ipairs(ids) do
   local jk = jkey(id)
   local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker}, nil)

@@ -4,18 +4,4 @@
 -- Returns how many went back.
 local alive, handed, wip, queue = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if redis.call('GET', alive) ~= ARGV[1] then return 0 end
-if drop_wrong_type(handed, 'zset') then return 0 end
-local ids = redis.call('ZRANGEBYSCORE', handed, '-inf', ARGV[2])
-local n = 0
-for i = #ids, 1, -1 do
-  local id = ids[i]
-  local f = redis.pcall('HMGET', jkey(id), 'status', 'mlxq_owner')
-  local unclaimed = not is_err(f) and f[1] == 'queued' and not f[2]
-  if unclaimed and redis.call('LPOS', wip, id) then
-    if is_err(redis.pcall('LPUSH', queue, id)) then break end  -- out of memory: next beat
-    redis.call('LREM', wip, 1, id)
-    n = n + 1
-  end
-  redis.call('ZREM', handed, id)
-end
-return n
+return give_back(handed, wip, queue, ARGV[2], 256)  -- the rest at the next beat

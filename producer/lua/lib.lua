@@ -153,3 +153,25 @@ local function requeue_one(id, c, owns, clean)
   redis.call('LPUSH', c.queue, id)
   return 'requeued'
 end
+
+-- Jobs another worker handed this one (``handed``) before ``cutoff`` ms and not claimed go
+-- back to ``queue``'s front, in the order they were handed; returns how many. At most
+-- ``most`` are looked at (-1: all), so a forged set cannot make a heartbeat long.
+local function give_back(handed, wip, queue, cutoff, most)
+  if drop_wrong_type(handed, 'zset') then return 0 end
+  local ids = redis.call('ZRANGEBYSCORE', handed, '-inf', cutoff, 'LIMIT', 0, most)
+  local n = 0
+  for i = #ids, 1, -1 do
+    local id = ids[i]
+    local f = redis.pcall('HMGET', jkey(id), 'status', 'mlxq_owner')
+    local unclaimed = not is_err(f) and f[1] == 'queued' and not f[2]
+    local at = unclaimed and redis.pcall('LPOS', wip, id)
+    if at and not is_err(at) then
+      if is_err(redis.pcall('LPUSH', queue, id)) then break end  -- out of memory: next call
+      redis.call('LREM', wip, 1, id)
+      n = n + 1
+    end
+    redis.call('ZREM', handed, id)
+  end
+  return n
+end
