@@ -450,3 +450,29 @@ def test_prompts_past_the_workers_cap_fail_by_reason_while_a_job_decodes(
     assert running.status() == "started", "it kept decoding meanwhile"
     assert running.result(timeout=120).finish_reason in ("stop", "length")
     listener.check()
+
+
+def test_a_workers_own_lists_made_the_wrong_type_never_stop_it(
+    redis_server, queue_name, start_worker, r
+):
+    # A worker's WIP list and handed set are keys like any other: made strings while it
+    # idles, while a job runs, and after it died, each costs what it listed, never the worker.
+    w = start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    for k in (keys.wip_key(w.name), keys.handed_key(w.name)):
+        _make_string(r, k)
+        assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+    (running,) = _long_jobs(client, 1, tokens=300)
+    _wait_running([running], 1)
+    _make_string(r, keys.wip_key(w.name))
+    assert running.result(timeout=120).finish_reason in ("stop", "length")
+    assert w.proc.poll() is None and "Traceback" not in w.output()
+    assert "WIP list" in w.output()
+    w.signal(signal.SIGKILL)
+    w.proc.wait(10)
+    _make_string(r, keys.wip_key(w.name))
+    r.delete(keys.alive_key(w.name))  # its lease ran out: a live worker reaps it at once
+    v = start_worker(max_batch=4)
+    assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+    _until(lambda: not r.sismember(keys.workers_key(queue_name), w.name))
+    assert "Traceback" not in v.output()

@@ -228,6 +228,11 @@ def _s(v: Any) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
+def _wrong_type(e: redis.ResponseError) -> bool:
+    """Whether Redis refused a command for a key of another type (a rogue write)."""
+    return str(e).startswith("WRONGTYPE")
+
+
 class Bridge:
     """One worker's Redis: its queue, its WIP list, its lease, rq's records.
 
@@ -438,13 +443,18 @@ class Bridge:
         another worker hands this one a job and wakes it (then None, as on a timeout)."""
         self._note_blocker()
         # redis-py annotates an int; BLMOVE takes fractions of a second (Redis >= 6).
-        raw = self.mover.blmove(
-            self.k_queue,
-            self.k_wip,
-            timeout,  # type: ignore[arg-type]
-            "LEFT",
-            "RIGHT",
-        )
+        try:
+            raw = self.mover.blmove(
+                self.k_queue,
+                self.k_wip,
+                timeout,  # type: ignore[arg-type]
+                "LEFT",
+                "RIGHT",
+            )
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+            return None  # its WIP list made another type: the next claim replaces it
         return raw if isinstance(raw, bytes) else None
 
     def _note_blocker(self) -> None:
@@ -512,7 +522,13 @@ class Bridge:
         return False
 
     def wip(self) -> list[bytes]:
-        return [x for x in self.mover.lrange(self.k_wip, 0, -1) if isinstance(x, bytes)]
+        try:
+            listed = self.mover.lrange(self.k_wip, 0, -1)
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+            return []  # made another type: nothing listed, and the next claim replaces it
+        return [x for x in listed if isinstance(x, bytes)]
 
     def claim(self, n: int, moved: Sequence[bytes] = ()) -> list[Claimed]:
         """Claim up to ``n`` more jobs from the queue, plus ``moved`` (already in the WIP
@@ -543,6 +559,14 @@ class Bridge:
         claimed = []
         for e in out:
             verdict = _s(e[1])
+            if verdict == "wip":
+                log.warning(
+                    "this worker's WIP list %s was a %s: replaced by an empty list (the jobs "
+                    "it listed are not requeued should this worker die)",
+                    self.k_wip,
+                    _s(e[2]),
+                )
+                continue
             if verdict == "ok":
                 handed = e[6] == b"1"
                 claimed.append(

@@ -11,7 +11,8 @@
 --   | {id, 'missing'} | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes}
 --   | {id, 'bad', field=value}
 --   | {id, 'broken', what} (its record was no hash: rebuilt as this worker's, to fail)
---   | {id, 'oom'} (not claimed: Redis refused the write).
+--   | {id, 'oom'} (not claimed: Redis refused the write)
+--   | {'', 'wip', type} (this worker's WIP list was of that type: replaced).
 local queue, wip, alive, canceled, handed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local n, cap, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
@@ -28,9 +29,13 @@ if redis.call('GET', alive) ~= token then
   return {'lease'}
 end
 drop_wrong_type(handed, 'zset')
+-- This worker's own list made another type (a rogue write) would make every claim raise,
+-- for good: it goes (what it listed is lost; their records still name their owner).
+local was = drop_wrong_type(wip, 'list')
 -- An id passed in was in the WIP list when the caller read it; this worker's heartbeat may
 -- have given it back to the queue since (handed here, left unclaimed): not its own now.
 local out, passed = {}, ids
+if was then out[1] = {'', 'wip', was} end
 ids = {}
 for _, id in ipairs(passed) do
   if redis.call('LPOS', wip, id) then ids[#ids + 1] = id else out[#out + 1] = {id, 'missing'} end

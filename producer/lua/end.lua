@@ -15,6 +15,7 @@ local stream_ttl, result_ttl, failure_ttl, max_ttl = tonumber(ARGV[5]), tonumber
   tonumber(ARGV[7]), tonumber(ARGV[8])
 if redis.call('GET', alive) ~= token then return {'lease'} end
 if is_oom(redis.pcall('HSET', rq_worker, 'last_heartbeat', now_str)) then return {'oom'} end
+drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
 
 local out, n_ok, n_failed = {}, 0, 0
 for i = 9, #ARGV, 9 do

@@ -11,6 +11,7 @@ local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV
 local stream_ttl, failure_ttl, max_ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local notice = ARGV[8]
 if redis.call('GET', alive) ~= token then return {'lease'} end
+drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
 local out, probed = {}, false
 for i = 9, #ARGV, 5 do
   local id = ARGV[i]

@@ -18,6 +18,7 @@ local c = {wip = wip, queue = queue, started = started, worker_execs = worker_ex
            max_ttl = tonumber(ARGV[5]), notice = ARGV[6]}
 -- In its list but unclaimed ('' owner): a move whose reply it never read. Still its own.
 local function its(owner) return owner == dead or owner == '' end
+drop_wrong_type(wip, 'list')  -- a rogue write made it another type: nothing to requeue
 local ids = redis.call('LRANGE', wip, 0, -1)
 local out = {'reaped'}
 for i = #ids, 1, -1 do

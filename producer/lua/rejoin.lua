@@ -9,6 +9,7 @@ local c = {wip = wip, queue = queue, started = started, worker_execs = worker_ex
            canceled = canceled, now_ts = tonumber(ARGV[3]), now_str = ARGV[4],
            max_ttl = tonumber(ARGV[5]), notice = ARGV[6]}
 local function its(owner) return owner == name or owner == '' end
+drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
 local ids = redis.call('LRANGE', wip, 0, -1)
 for i = #ids, 1, -1 do requeue_one(ids[i], c, its, false) end
 redis.call('DEL', wip, marker)

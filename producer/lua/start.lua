@@ -10,6 +10,7 @@ local alive, started, rq_worker, worker_execs, wip, canceled =
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ttl, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 if redis.call('GET', alive) ~= token then return {'lease'} end
+drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
 if is_oom(redis.pcall('HSET', rq_worker, 'state', 'busy')) then return {'oom'} end
 
 local out = {}
