@@ -565,8 +565,8 @@ class Worker:
         c = self.engine.counters
         running, buffered = self._rows()
         # Stopping or suspended: no free rows, so no chat turn is handed here.
-        stopping = self.suspended or self._stop.is_set()
-        room = 0 if stopping else max(0, self.config.max_batch - running - buffered)
+        closed = self.suspended or self._stop.is_set()
+        room = 0 if closed else max(0, self.config.max_batch - running - buffered)
         state = "busy" if running else "suspended" if self.suspended else "idle"
         return state, {
             "name": self.name,
