@@ -130,13 +130,17 @@ def _claimed_by(b, job) -> object:
     return c
 
 
-def _hand_one(to, by, r, client: Client) -> object:
-    """A chat turn claimed by ``by`` and handed to ``to``."""
+@pytest.fixture
+def handed(bridges, redis_server, queue_name, r):
+    """Two bridges ``to`` and ``by``, a client, and a chat turn ``by`` claimed and handed
+    to ``to``."""
+    to, by = bridges
+    client = Client(redis_server.url, queue=queue_name)
     job = _turn(client)
     _claimed_by(by, job)
     _room(r, to.name, 1)
     assert by.hand(job.id, to.name, 8) == "ok"
-    return job
+    return to, by, client, job
 
 
 def test_a_job_is_handed_only_to_a_live_worker_with_room_and_only_once(
@@ -181,13 +185,11 @@ def test_a_job_is_handed_only_to_a_live_worker_with_room_and_only_once(
 
 
 def test_a_handed_job_left_unclaimed_goes_back_to_the_queue_front(
-    bridges, redis_server, queue_name, r
+    handed, redis_server, queue_name, r
 ):
     from mlxq.worker.bridge import HAND_GRACE_MS
 
-    to, by = bridges
-    client = Client(redis_server.url, queue=queue_name)
-    job = _hand_one(to, by, r, client)
+    to, by, client, job = handed
     behind = client.submit("behind it", max_tokens=2)
     assert to.beat() == "ok" and to.wip() == [job.id.encode()]  # within the grace: kept
     time.sleep(HAND_GRACE_MS / 1000 + 0.1)
@@ -200,11 +202,9 @@ def test_a_handed_job_left_unclaimed_goes_back_to_the_queue_front(
 
 
 def test_a_handed_job_canceled_before_it_is_claimed_ends_canceled(
-    bridges, redis_server, queue_name, r
+    handed, redis_server, queue_name, r
 ):
-    to, by = bridges
-    client = Client(redis_server.url, queue=queue_name)
-    job = _hand_one(to, by, r, client)
+    to, _by, _client, job = handed
     assert job.cancel() is True
     (c,) = to.claim(1)
     assert c.verdict == "canceled" and job.status() == "canceled" and not to.wip()
@@ -212,11 +212,9 @@ def test_a_handed_job_canceled_before_it_is_claimed_ends_canceled(
 
 
 def test_a_worker_that_dies_holding_a_handed_job_has_it_run_elsewhere(
-    bridges, redis_server, queue_name, start_worker, r
+    handed, redis_server, queue_name, start_worker, r
 ):
-    to, by = bridges
-    client = Client(redis_server.url, queue=queue_name)
-    job = _hand_one(to, by, r, client)
+    to, _by, _client, job = handed
     r.delete(keys.alive_key(to.name))  # its lease ran out: dead
     start_worker()  # reaps the dead one at its first heartbeat: the job runs here
     assert job.result(timeout=60).finish_reason in ("stop", "length")
@@ -224,11 +222,9 @@ def test_a_worker_that_dies_holding_a_handed_job_has_it_run_elsewhere(
 
 
 def test_a_graceful_stop_gives_back_what_was_handed_and_not_claimed(
-    bridges, redis_server, queue_name, r
+    handed, redis_server, queue_name, r
 ):
-    to, by = bridges
-    client = Client(redis_server.url, queue=queue_name)
-    job = _hand_one(to, by, r, client)
+    to, by, client, job = handed
     assert to.unregister(settled=True) == 1
     assert r.lrange(keys.queue_key(queue_name), 0, -1) == [job.id.encode()]
     assert not to.wip() and not r.sismember(keys.workers_key(queue_name), to.name)
@@ -242,11 +238,9 @@ def test_a_graceful_stop_gives_back_what_was_handed_and_not_claimed(
 
 
 def test_a_worker_that_stops_holding_a_job_stays_on_the_roll_for_the_reaper(
-    bridges, redis_server, queue_name, r
+    handed, redis_server, queue_name, r
 ):
-    to, by = bridges
-    client = Client(redis_server.url, queue=queue_name)
-    job = _hand_one(to, by, r, client)
+    to, _by, _client, job = handed
     _claimed_by(to, job)
     assert to.unregister(settled=True) == 0  # claimed: its own now, not given back
     assert r.sismember(keys.workers_key(queue_name), to.name)
@@ -254,13 +248,11 @@ def test_a_worker_that_stops_holding_a_job_stays_on_the_roll_for_the_reaper(
 
 
 def test_a_job_given_back_is_not_claimed_by_a_stale_read_of_the_list(
-    bridges, redis_server, queue_name, r
+    handed, redis_server, queue_name, r
 ):
     from mlxq.worker.bridge import HAND_GRACE_MS
 
-    to, by = bridges
-    client = Client(redis_server.url, queue=queue_name)
-    job = _hand_one(to, by, r, client)
+    to, by, _client, job = handed
     stale = to.wip()  # the prefetch thread reads its list...
     time.sleep(HAND_GRACE_MS / 1000 + 0.1)
     assert to.beat() == "ok"  # ...the heartbeat gives the job back meanwhile...
