@@ -997,9 +997,10 @@ class Soak:
         for phase, (used, rss) in t.memory.items():
             rows.append((f"redis used_memory {phase}", f"{used / 2**20:.2f} MiB"))
             rows.append((f"worker RSS {phase}", ", ".join(f"{n} {m} MiB" for n, m in rss.items())))
-        hits = sum(w.get("prompt_cache_hits", 0) for w in collect(self.c.r)["workers"])
+        live = collect(self.c.r)["workers"]
+        hits = sum(w.get("prompt_cache_hits", 0) for w in live)
         rows.append(("prompt cache hits (must be > 0)", hits))
-        handed = sum(w.get("jobs_handed_out", 0) for w in collect(self.c.r)["workers"])
+        handed = sum(w.get("jobs_handed_out", 0) for w in live)
         rows.append(("chat turns handed, by live workers (must be > 0)", handed))
         rows += self.leftovers()
         print()

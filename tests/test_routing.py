@@ -131,25 +131,26 @@ def _claimed_by(b, job) -> object:
 
 
 @pytest.fixture
-def handed(bridges, redis_server, queue_name, r):
-    """Two bridges ``to`` and ``by``, a client, and a chat turn ``by`` claimed and handed
-    to ``to``."""
+def claimed(bridges, redis_server, queue_name):
+    """Two bridges ``to`` and ``by``, a client, and a chat turn ``by`` claimed."""
     to, by = bridges
     client = Client(redis_server.url, queue=queue_name)
     job = _turn(client)
     _claimed_by(by, job)
-    _room(r, to.name, 1)
-    assert by.hand(job.id, to.name, 8) == "ok"
     return to, by, client, job
 
 
-def test_a_job_is_handed_only_to_a_live_worker_with_room_and_only_once(
-    bridges, redis_server, queue_name, r
-):
-    to, by = bridges
-    client = Client(redis_server.url, queue=queue_name)
-    job = _turn(client)
-    _claimed_by(by, job)
+@pytest.fixture
+def handed(claimed, r):
+    """The same, the turn handed to ``to``."""
+    to, by, _, job = claimed
+    _room(r, to.name, 1)
+    assert by.hand(job.id, to.name, 8) == "ok"
+    return claimed
+
+
+def test_a_job_is_handed_only_to_a_live_worker_with_room_and_only_once(claimed, queue_name, r):
+    to, by, _, job = claimed
     _room(r, to.name, 0)
     assert by.hand(job.id, to.name, 8) == "full"
     _room(r, to.name, "junk")
