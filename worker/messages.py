@@ -1,0 +1,74 @@
+"""What the worker's helper threads tell the decode loop: one frozen type per message.
+
+The decode thread owns every :class:`~mlxq.worker.jobs.Job`; the other threads never touch
+one. They put these on the loop's :data:`Inbox`, and the loop handles them with ``match``
+at the top of each turn (:meth:`mlxq.worker.loop.Worker._handle_inbox`).
+
+- the writer (:mod:`mlxq.worker.sink`): :class:`Started`, :class:`Ended`,
+  :class:`Settled`, :class:`WriteFailed`;
+- the cancel listener and the heartbeat: :class:`CancelRequested`;
+- the heartbeat (:mod:`mlxq.worker.liveness`): :class:`Reaped`, :class:`Suspended`.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mlxq.producer.outcome import Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Start scripts' verdicts: ``ok``, or why a job must not run here (``canceled``,
+    ``refused``: no longer this worker's)."""
+
+    verdicts: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """Ends of running jobs, committed (or refused: the job was no longer ours)."""
+
+    outcomes: Mapping[str, Outcome]
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """Jobs let go of before they ran: failed before start, handed back or dropped."""
+
+    outcomes: Mapping[str, Outcome]
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequested:
+    """A producer asked to cancel these jobs (ids of jobs this worker holds)."""
+
+    job_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFailed:
+    """A running job's replay log cannot be written: it fails."""
+
+    job_id: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """Another worker declared this one dead and requeued all it held (under ``epoch``)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Suspended:
+    """rq's suspend key came (True) or went (False)."""
+
+    suspended: bool
+
+
+Message = Started | Ended | Settled | CancelRequested | WriteFailed | Reaped | Suspended
+Inbox = queue.SimpleQueue[Message]
