@@ -1,11 +1,11 @@
-"""The MLX side: a model, its tokenizer and one continuous batch of jobs.
+"""The MLX side: a model, its tokenizer and one continuous batch, row by row.
 
 The :class:`Engine` tokenizes requests, inserts each job's choices as batch rows
 (through a prompt cache when it has one), and runs the batch a step at a time on a
-:class:`~mlxq.worker.generator.Generator` (every decode step sampled in one call). It
-works on :class:`~mlxq.worker.jobs.Job` records (one row per choice of a job): it
-detokenizes each row's tokens, cuts at stop strings, and hands each choice its output;
-it keeps no record of its own beyond the uid of each row.
+:class:`~mlxq.worker.generator.Generator` (every decode step sampled in one call). It owns
+a :class:`~mlxq.worker.rows.Row` per row: detokenizes each row's tokens, cuts at stop
+strings and stop tokens, and hands each step's output back as plain
+:class:`~mlxq.worker.rows.Delta` records, which the jobs turn into chunks.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from mlx_lm.generate import StopSequences
 
 from mlxq.batching.logprobs import TokenLogprob
 from mlxq.batching.rows import RowSampler
+from mlxq.batching.stops import StopMatcher
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.generator import Generator, StepCounters
 from mlxq.worker.jobs import Job
 from mlxq.worker.prompt_cache import PromptCache, default_budget
+from mlxq.worker.rows import Delta, Row, RowStatus
 
 log = logging.getLogger("mlxq.worker")
 
@@ -89,9 +91,7 @@ class Engine:
             max_kv_size=max_kv_size,
             stop_tokens=[[t] for t in sorted(self._eos)],
         )
-        self._rows: dict[int, tuple[Job, int]] = {}
-        self._uids_of: dict[str, list[int]] = {}
-        self._stops: dict[int, frozenset[int]] = {}  # rows that end on more than EOS
+        self._rows: dict[int, Row] = {}  # by mlx-lm uid: the rows in the batch
         self._token_info: dict[int, tuple[str, list[int]]] = {}
         self.reset()
 
@@ -125,9 +125,9 @@ class Engine:
             keep_caches=self.prompt_cache is not None,
             **self._kw,
         )
+        for row in self._rows.values():
+            row.status = RowStatus.FINISHED
         self._rows.clear()
-        self._uids_of.clear()
-        self._stops.clear()
 
     @property
     def prompt_cache_bytes(self) -> int:
@@ -141,9 +141,6 @@ class Engine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - len(self._rows)
-
-    def holds(self, job_id: str) -> bool:
-        return job_id in self._uids_of
 
     def encode(self, req: GenerationRequest) -> list[int]:
         """Tokenize a request's prompt (or render its chat through the template), and
@@ -181,9 +178,6 @@ class Engine:
                     )
         return list(ids)
 
-    def new_detokenizer(self) -> Any:
-        return self.tokenizer.detokenizer
-
     def add(self, jobs: Sequence[Job]) -> None:
         """Queue jobs' prompts for the next prefill, all in one insert (one row per
         choice); they decode from then on."""
@@ -214,10 +208,8 @@ class Engine:
             # Stop token ids alone change no logit: such a row costs the step nothing.
             logits = req.logits if req.logits is not None and req.logits.active else None
             self.sampler.add(uid, sampling, logits, req.top_logprobs if req.logprobs else None)
-            self._rows[uid] = (job, i)
-            self._uids_of.setdefault(job.id, []).append(uid)
-            if stop != self._eos:
-                self._stops[uid] = stop
+            detok = self.tokenizer.detokenizer  # mlx-lm makes a fresh copy per access
+            self._rows[uid] = Row(uid, job, i, detok, StopMatcher(req.stop), stop)
         self.counters.prompt_tokens += sum(len(job.prompt_ids) for job, _ in rows)
 
     def _cached(self, prompts: list[list[int]]) -> tuple[list[list[Any]] | None, list[int]]:
@@ -255,33 +247,31 @@ class Engine:
 
     def remove(self, jobs: Iterable[Job]) -> None:
         """Take jobs (every row of each) out of the batch now (cancel, deadline, failure)."""
-        uids = [u for j in jobs for u in self._uids_of.get(j.id, ())]
-        if uids:
-            self._gen.remove(uids)
-        for u in uids:
-            self._forget(u)
+        ids = {j.id for j in jobs}
+        rows = [row for row in self._rows.values() if row.job.id in ids]
+        if rows:
+            self._gen.remove([row.uid for row in rows])
+        for row in rows:
+            self._forget(row)
 
-    def step(self) -> list[Job]:
-        """Run one scheduling step (decode, then admit prefill work). Returns the jobs that
-        made output; a choice that ended has its ``finish_reason`` set and left the batch."""
+    def step(self) -> list[Delta]:
+        """Run one scheduling step (decode, then admit prefill work). Returns what each
+        row made, one delta per row that sampled a token; a row whose delta has a
+        ``finish_reason`` left the batch."""
         _, responses = self._gen.next()
-        touched: dict[str, Job] = {}
+        deltas: list[Delta] = []
         for r in responses:
             row = self._rows.get(r.uid)
             if row is not None:
-                self._on_token(r.uid, row[0], row[1], r.token, r.finish_reason, r.logprobs)
-                touched[row[0].id] = row[0]
+                deltas.append(self._on_token(row, r.token, r.finish_reason, r.logprobs))
         self._keep((r.all_tokens, r.prompt_cache) for r in responses if r.finish_reason is not None)
         self.counters.tokens_generated += len(responses)
-        return list(touched.values())
+        return deltas
 
-    def _on_token(
-        self, uid: int, job: Job, index: int, token: int, finish: str | None, logprob: Any
-    ) -> None:
-        choice = job.choices[index]
-        choice.generated += 1
-        detok = choice.detok
-        stop_token = finish == "stop" and token in self._stops.get(uid, self._eos)
+    def _on_token(self, row: Row, token: int, finish: str | None, logprob: Any) -> Delta:
+        row.generated += 1
+        detok = row.detok
+        stop_token = finish == "stop" and token in row.stop_tokens
         if not stop_token:  # a stop token is no part of the text
             detok.add_token(token)
         if finish is not None:
@@ -292,19 +282,18 @@ class Engine:
             # The token's text is what it added to the completion, so a choice's tokens
             # joined give its text (a byte of a multi-byte character adds none yet).
             lps = [self._logprob_entry(logprob, segment)]
-        text, stopped = choice.stops.feed(segment)
+        text, stopped = row.stops.feed(segment)
         if stopped and finish is None:
-            kept = self._gen.remove([uid], return_prompt_caches=self.prompt_cache is not None)
-            if uid in kept:
-                cache, tokens = kept[uid]
+            kept = self._gen.remove([row.uid], return_prompt_caches=self.prompt_cache is not None)
+            if row.uid in kept:
+                cache, tokens = kept[row.uid]
                 self._keep([(tokens, cache)])
             finish = "stop"
         elif finish is not None:
-            text += choice.stops.flush()
-        choice.emit(text, ids, lps)
+            text += row.stops.flush()
         if finish is not None:
-            choice.finish_reason = finish
-            self._forget(uid)
+            self._forget(row)
+        return Delta(row.job, row.index, text, ids, lps, finish, row.generated)
 
     def _logprob_entry(self, lp: TokenLogprob, text: str) -> dict[str, Any]:
         """OpenAI's chat shape; alternatives are shown as each decodes alone."""
@@ -325,16 +314,10 @@ class Engine:
             info = self._token_info[token_id] = (text, list(text.encode("utf-8")))
         return info
 
-    def _forget(self, uid: int) -> None:
-        row = self._rows.pop(uid, None)
-        if row is not None:
-            uids = self._uids_of.get(row[0].id, [])
-            if uid in uids:
-                uids.remove(uid)
-            if not uids:
-                self._uids_of.pop(row[0].id, None)
-        self._stops.pop(uid, None)
-        self.sampler.drop(uid)
+    def _forget(self, row: Row) -> None:
+        self._rows.pop(row.uid, None)
+        row.status = RowStatus.FINISHED
+        self.sampler.drop(row.uid)
 
 
 def _finite(x: float) -> float:
