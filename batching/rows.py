@@ -5,12 +5,13 @@ so every row gets one :class:`RowSampler`. It knows each row's own sampling para
 logits processors (:mod:`mlxq.batching.logits`) and log-prob request, by mlx-lm uid;
 ``bind(uids)`` names the rows of the next step in batch order, and the per-row arrays
 for them are built once per batch composition, not once per step. Seeded rows need each
-row's position (tokens it sampled so far), which this counts per uid.
+row's position (tokens it sampled so far), which each row's record counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -19,6 +20,16 @@ from mlxq.batching.logits_params import LogitsParams
 from mlxq.batching.logprobs import LogprobRows
 from mlxq.batching.sampler import RowParams, sample
 from mlxq.producer.params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class _Row:
+    """What one row asked for, and how many tokens it sampled before the current binding."""
+
+    params: SamplingParams
+    logits: LogitsParams | None
+    top_logprobs: int | None
+    done: int = 0
 
 
 class RowSampler:
@@ -32,12 +43,10 @@ class RowSampler:
     def __init__(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
         self.vocab_size = vocab_size
         self.eos = tuple(eos_token_ids)
-        self._params: dict[int, SamplingParams] = {}
-        self._logits: dict[int, LogitsParams | None] = {}
-        self._top: dict[int, int | None] = {}
-        self._done: dict[int, int] = {}  # tokens sampled per uid before the current binding
+        self._by_uid: dict[int, _Row] = {}
         self._uids: list[int] = []
-        self._rows: RowParams | None = None
+        self._bound: list[_Row] = []  # the rows of ``_uids``, in batch order
+        self._params: RowParams | None = None
         self._logits_rows: LogitsRows | None = None
         self._logprob_rows: LogprobRows | None = None
         self._positions: mx.array | None = None
@@ -53,43 +62,39 @@ class RowSampler:
     ) -> None:
         """A row joins: its sampling params, processors, and log-prob request (None: none;
         else how many alternatives it wants)."""
-        self._params[uid] = params
-        self._logits[uid] = logits
-        self._top[uid] = top_logprobs
-        self._done[uid] = 0
+        self._by_uid[uid] = _Row(params, logits, top_logprobs)
 
     def drop(self, uid: int) -> None:
-        for d in (self._params, self._logits, self._top, self._done):
-            d.pop(uid, None)  # type: ignore[attr-defined]
+        self._by_uid.pop(uid, None)
 
     def context(self, uid: int) -> int:
         """How many trailing tokens a row's processors read (0: none)."""
-        lp = self._logits.get(uid)
-        return lp.context_size if lp is not None else 0
+        row = self._by_uid.get(uid)
+        return row.logits.context_size if row is not None and row.logits is not None else 0
 
     def bind(self, uids: Sequence[int]) -> None:
         if uids == self._uids:  # the common case, every decode step: no copy
             return
-        for u in self._uids:  # fold the calls since the last binding into each row's count
-            if u in self._done:
-                self._done[u] += self._calls_bound
+        for row in self._bound:  # fold the calls since the last binding into each row's count
+            row.done += self._calls_bound
         self._uids = list(uids)
+        self._bound = [self._by_uid[u] for u in self._uids]
         self._calls_bound = 0
-        self._rows = RowParams.from_params([self._params[u] for u in self._uids])
-        self._positions = mx.array([self._done[u] for u in self._uids], dtype=mx.uint32)
+        self._params = RowParams.from_params([r.params for r in self._bound])
+        self._positions = mx.array([r.done for r in self._bound], dtype=mx.uint32)
         self._logits_rows = None
-        tops = [self._top[u] for u in self._uids]
+        tops = [r.top_logprobs for r in self._bound]
         self._logprob_rows = (
             LogprobRows.from_requests(tops) if any(t is not None for t in tops) else None
         )
 
     def logits_rows(self, vocab_size: int) -> LogitsRows | None:
         """The bound rows' processors as arrays; None when no row has any."""
-        if not any(self._logits.get(u) is not None for u in self._uids):
+        if not any(r.logits is not None for r in self._bound):
             return None
         if self._logits_rows is None or self._logits_rows.vocab_size != vocab_size:
             self._logits_rows = LogitsRows.from_params(
-                [self._logits[u] for u in self._uids], vocab_size, self.eos
+                [r.logits for r in self._bound], vocab_size, self.eos
             )
         return self._logits_rows
 
@@ -99,9 +104,9 @@ class RowSampler:
         return self._logprob_rows
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        if self._rows is None or self._positions is None or logprobs.shape[0] != len(self._uids):
+        if self._params is None or self._positions is None or logprobs.shape[0] != len(self._uids):
             raise RuntimeError(f"sampler bound to {len(self._uids)} rows, got {logprobs.shape[0]}")
         self.calls += 1
-        tokens = sample(logprobs, self._rows, self._positions + self._calls_bound)
+        tokens = sample(logprobs, self._params, self._positions + self._calls_bound)
         self._calls_bound += 1
         return tokens

@@ -34,7 +34,7 @@ import mlx_lm
 
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.engine import Engine
-from mlxq.worker.jobs import Job
+from mlxq.worker.jobs import Job, apply_deltas
 
 #: With ``--trace``: seconds spent in each of these, where a cached run's time goes.
 PHASES: dict[str, float] = {}
@@ -107,7 +107,7 @@ def run(
     jobs = []
     for i, ids in enumerate(prompts):
         job = Job(f"j{i}", req, ids)
-        job.start("bench", engine.new_detokenizer)
+        job.start("bench")
         jobs.append(job)
     pending = list(jobs)
     t0 = last = time.perf_counter()
@@ -134,7 +134,7 @@ def run(
                 )
                 last = now
         s = time.perf_counter()
-        engine.step()
+        apply_deltas(engine.step())
         in_step += time.perf_counter() - s
     wall = time.perf_counter() - t0
     c = engine.counters
@@ -225,14 +225,14 @@ def chat(model: Any, tok: Any, args: argparse.Namespace, cache_bytes: int) -> di
         messages.append({"role": "user", "content": f"{turn}: " + _words(rng, args.suffix)})
         req = GenerationRequest(messages=messages, max_tokens=args.max_tokens)
         job = Job(f"turn{turn}", req, engine.encode(req))
-        job.start("bench", engine.new_detokenizer)
+        job.start("bench")
         t0 = time.perf_counter()
         engine.add([job])
         while not job.choices[0].generated:
-            engine.step()
+            apply_deltas(engine.step())
         ttfts.append(time.perf_counter() - t0)
         while engine.active:
-            engine.step()
+            apply_deltas(engine.step())
         lengths.append(len(job.prompt_ids))
         replies.append(job.token_ids)
         text = tok.decode(job.token_ids)

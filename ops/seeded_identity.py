@@ -15,16 +15,16 @@ import tempfile
 
 from mlxq.producer.params import GenerationRequest, SamplingParams
 from mlxq.worker.engine import Engine
-from mlxq.worker.jobs import Job
+from mlxq.worker.jobs import Job, apply_deltas
 
 
 def run(engine: Engine, jobs: dict[str, GenerationRequest]) -> dict[str, list[int]]:
     records = [Job(j, req, engine.encode(req)) for j, req in jobs.items()]
     for job in records:
-        job.start("exec", engine.new_detokenizer)
+        job.start("exec")
     engine.add(records)
     while engine.active:
-        engine.step()
+        apply_deltas(engine.step())
     return {job.id: job.token_ids for job in records}
 
 

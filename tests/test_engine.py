@@ -9,7 +9,8 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlxq.worker.engine import Engine  # noqa: E402
-from mlxq.worker.jobs import Job  # noqa: E402
+from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
+from mlxq.worker.rows import RowStatus  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def _req(prompt: str, n: int, **sp) -> GenerationRequest:
 
 def _job(engine: Engine, name: str, req: GenerationRequest) -> Job:
     job = Job(name, req, engine.encode(req))
-    job.start("exec", engine.new_detokenizer)
+    job.start("exec")
     return job
 
 
@@ -40,7 +41,7 @@ def _run(
     engine.add(list(records.values()))
     steps = 0
     while engine.active:
-        engine.step()
+        apply_deltas(engine.step())
         steps += 1
         if remove_after and steps == remove_after[0]:
             engine.remove([records[j] for j in remove_after[1]])
@@ -114,11 +115,11 @@ def test_multibyte_text_is_never_split(loaded):
     text = "naïve café 日本語です 😀 ok"
     job = _job(engine, "mb", _req("x", 64))
     engine.add([job])
-    (uid,) = list(engine._rows)
+    (row,) = engine._rows.values()
     pieces = []
     for t in tok.encode(text, add_special_tokens=False):
-        engine._on_token(uid, job, 0, t, None, None)
-        pieces.append(job.chunk_due(0.0, 0.0).text if job.has_output else "")
+        job.apply(engine._on_token(row, t, None, None))
+        pieces.append(job.chunks_due(0.0, 0.0)[0].text if job.has_output else "")
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
 
@@ -128,13 +129,14 @@ def test_stop_strings_end_the_row_and_are_not_emitted(loaded):
     engine = _engine(loaded)
     job = _job(engine, "s", GenerationRequest(prompt="x", max_tokens=64, stop=("STOP",)))
     engine.add([job])
-    (uid,) = list(engine._rows)
+    (row,) = engine._rows.values()
     for t in tok.encode("one two STOP three", add_special_tokens=False):
-        engine._on_token(uid, job, 0, t, None, None)
+        job.apply(engine._on_token(row, t, None, None))
         if job.choices[0].finish_reason:
             break
     assert job.choices[0].finish_reason == "stop" and "".join(job.text) == "one two "
     assert engine.active == 0
+    assert row.status is RowStatus.FINISHED
 
 
 def test_prompt_longer_than_the_context_is_refused(loaded):

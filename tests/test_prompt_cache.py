@@ -16,7 +16,7 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlxq.worker.engine import Engine  # noqa: E402
-from mlxq.worker.jobs import Job  # noqa: E402
+from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
 from mlxq.worker.prompt_cache import MIN_REUSE, PromptCache, shared_prefixes  # noqa: E402
 
 #: About 1,000 tokens of the tiny model's tokenizer, shared by every job below.
@@ -34,7 +34,7 @@ def _started(engine: Engine, reqs: list[GenerationRequest]) -> list[Job]:
     jobs = []
     for i, req in enumerate(reqs):
         job = Job(f"j{i}", req, engine.encode(req))
-        job.start("exec", engine.new_detokenizer)
+        job.start("exec")
         jobs.append(job)
     return jobs
 
@@ -48,7 +48,7 @@ def _run(engine: Engine, reqs: list[GenerationRequest], *, at_once: int) -> list
             n = min(at_once, engine.free_slots)
             engine.add(pending[:n])
             pending = pending[n:]
-        engine.step()
+        apply_deltas(engine.step())
     return [j.token_ids for j in jobs]
 
 
@@ -110,7 +110,7 @@ def test_choices_penalties_and_logprobs_are_the_same_with_and_without_the_cache(
         for at_once in ([jobs[0]], jobs[1:]):  # one alone (it stores), then a burst (hits)
             engine.add(at_once)
             while engine.active:
-                engine.step()
+                apply_deltas(engine.step())
         return [([c.token_ids for c in j.choices], [c.logprobs for c in j.choices]) for j in jobs]
 
     plain = Engine(*loaded, max_batch=8, prompt_cache_bytes=0)
@@ -162,7 +162,7 @@ def test_a_finished_rows_view_is_what_mlx_lm_extracts(loaded):
     prompts = [PREFIX[:350], PREFIX[:900], "Gulls " * 140, PREFIX[:600]]  # >= MIN_REUSE tokens
     engine.add(_started(engine, [GenerationRequest(prompt=p, max_tokens=20) for p in prompts]))
     for _ in range(4):
-        engine.step()
+        apply_deltas(engine.step())
     batch = engine._gen._generation_batch
     assert len(batch) == 4 and len({len(t) for t in batch.tokens}) == 4
     for i in range(4):
@@ -187,18 +187,18 @@ def test_a_chat_turn_reuses_the_last_turns_prompt_and_reply(loaded):
     before = engine.counters.prompt_tokens_cached
     turn = engine.encode(first) + reply + engine.encode(GenerationRequest(prompt=" And then?"))
     job = Job("turn2", GenerationRequest(prompt="x", max_tokens=6), turn)
-    job.start("exec", engine.new_detokenizer)
+    job.start("exec")
     engine.add([job])
     while engine.active:
-        engine.step()
+        apply_deltas(engine.step())
     # The reply's last token was never fed to the model: it is the one token left over.
     assert engine.counters.prompt_tokens_cached - before >= len(turn) - 20
     plain = Engine(*loaded, max_batch=4, prompt_cache_bytes=0)
     again = Job("turn2", GenerationRequest(prompt="x", max_tokens=6), turn)
-    again.start("exec", plain.new_detokenizer)
+    again.start("exec")
     plain.add([again])
     while plain.active:
-        plain.step()
+        apply_deltas(plain.step())
     assert job.token_ids == again.token_ids
 
 
@@ -223,10 +223,10 @@ def test_a_removed_row_leaves_no_entry_and_the_next_job_is_right(loaded):
     engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
     req = GenerationRequest(prompt=PREFIX + QUESTIONS[0], max_tokens=200)
     job = Job("canceled", req, engine.encode(req))
-    job.start("exec", engine.new_detokenizer)
+    job.start("exec")
     engine.add([job])
     for _ in range(3):
-        engine.step()
+        apply_deltas(engine.step())
     engine.remove([job])
     assert engine.active == 0 and engine.prompt_cache_bytes == 0
     short = GenerationRequest(prompt=PREFIX + QUESTIONS[0], max_tokens=8)

@@ -1,258 +1,38 @@
-"""The MLX side: mlx-lm's BatchGenerator, every decode step sampled in one call.
+"""The MLX side: a model, its tokenizer and one continuous batch, row by row.
 
-mlx-lm samples a step with one call only when every row holds the same sampler object;
-rows with their own samplers send the step down a per-row loop. mlxq gives every row one
-:class:`~mlxq.batching.rows.RowSampler` and binds it to the rows of the next call in
-the two places mlx-lm samples: ``GenerationBatch._step`` (every decode step) and
-``PromptProcessingBatch.generate`` (the first token after prefill). Pinned to mlx-lm
-0.32.2, whose ``filter`` re-indexes every per-row list; ``tests/test_engine.py`` pins the
-alignment.
-
-Logits processors (penalties, logit_bias, min_tokens) and log-probs are batched too:
-see :class:`_BoundGenerationBatch`. mlx-lm's own per-row ``logits_processors`` are never
-used, since any of them would send every step down a Python loop over rows.
-
-The engine works on :class:`~mlxq.worker.jobs.Job` records (one row per choice of a
-job): it detokenizes each row's tokens, cuts at stop strings, and hands each choice its
-output; it keeps no record of its own beyond the uid of each row.
+The :class:`Engine` tokenizes requests, inserts each job's choices as batch rows
+(through a prompt cache when it has one), and runs the batch a step at a time on a
+:class:`~mlxq.worker.generator.Generator` (every decode step sampled in one call). It owns
+a :class:`~mlxq.worker.rows.Row` per row: detokenizes each row's tokens, cuts at stop
+strings and stop tokens, and hands each step's output back as plain
+:class:`~mlxq.worker.rows.Delta` records, which the jobs turn into chunks.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-import mlx.core as mx
-from mlx_lm.generate import (
-    BatchGenerator,
-    GenerationBatch,
-    PromptProcessingBatch,
-    StopSequences,
-)
+from mlx_lm.generate import StopSequences
 
-from mlxq.batching.history import TokenHistory
-from mlxq.batching.logits import apply
-from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
+from mlxq.batching.logprobs import TokenLogprob
 from mlxq.batching.rows import RowSampler
+from mlxq.batching.stops import StopMatcher
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.config import WorkerConfig
+from mlxq.worker.generator import Generator, StepCounters
 from mlxq.worker.jobs import Job
-from mlxq.worker.prompt_cache import MIN_REUSE, PromptCache, default_budget, row_cache
+from mlxq.worker.prompt_cache import PromptCache, default_budget
+from mlxq.worker.rows import Delta, Row, RowStatus
 
 log = logging.getLogger("mlxq.worker")
 
 #: What OpenAI reports for a token that cannot be sampled at all (log-prob -inf).
 LOGPROB_FLOOR = -9999.0
-
-
-@dataclass
-class StepCounters:
-    decode_steps: int = 0
-    vectorized_steps: int = 0
-    sampler_calls: int = 0
-    tokens_generated: int = 0
-    prompt_tokens: int = 0
-    #: Prompt cache: rows looked up, rows that found a prefix, the tokens those held,
-    #: and prompt tokens run through the model (rows' rests and shared prefixes).
-    prompt_cache_queries: int = 0
-    prompt_cache_hits: int = 0
-    prompt_tokens_cached: int = 0
-    prompt_tokens_prefilled: int = 0
-    batch_sizes: dict[int, int] = field(default_factory=dict)
-
-
-def _counted_step(batch: Any, step: Any) -> Any:
-    sampler: RowSampler = batch.fallback_sampler
-    counters: StepCounters = sampler.counters  # type: ignore[attr-defined]
-    sampler.bind(batch.uids)
-    n = len(batch.uids)
-    before = sampler.calls
-    out = step()
-    calls = sampler.calls - before
-    counters.decode_steps += 1
-    counters.sampler_calls += calls
-    counters.vectorized_steps += calls == 1
-    counters.batch_sizes[n] = counters.batch_sizes.get(n, 0) + 1
-    return out
-
-
-class _PendingLogprobs:
-    """One step's log-probs, still on the device; read once, when its tokens are."""
-
-    def __init__(self, step: StepLogprobs, rows: LogprobRows) -> None:
-        self.step, self.rows = step, rows
-        self._host: list[TokenLogprob | None] | None = None
-
-    def row(self, i: int) -> _RowLogprobs:
-        return _RowLogprobs(self, i)
-
-    def resolve(self) -> list[TokenLogprob | None]:
-        if self._host is None:
-            self._host = to_host(self.step, self.rows)
-        return self._host
-
-
-@dataclass(frozen=True, slots=True)
-class _RowLogprobs:
-    pending: _PendingLogprobs
-    index: int
-
-    def get(self) -> TokenLogprob | None:
-        return self.pending.resolve()[self.index]
-
-
-class _BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
-    """mlx-lm's generation batch, with every row's processors and log-probs batched.
-
-    ``_step`` is mlx-lm 0.32.2's, but for two stages: the per-row logits processor loop
-    becomes one :func:`~mlxq.batching.logits.apply` over the batch (rows' token windows
-    in a :class:`~mlxq.batching.history.TokenHistory` that follows the rows through
-    ``filter`` and ``extend``), and the per-row split of the full-vocabulary log-probs
-    becomes one :func:`~mlxq.batching.logprobs.step_logprobs` for the rows that asked
-    (none asked: nothing is computed)."""
-
-    #: Whether finished rows' caches are wanted (the engine keeps a prompt cache). mlx-lm
-    #: copies every layer of each finished row, waiting for the device once a layer; kept
-    #: rows are views here (the prompt cache copies what it keeps), and unwanted ones cost
-    #: nothing.
-    keep_caches = False
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        self._history: TokenHistory | None = None
-        super().__init__(*args, **kw)
-
-    def extract_cache(self, idx: int) -> list[Any]:
-        n = len(self.tokens[idx])  # exactly the tokens its cache holds
-        if not self.keep_caches or n < MIN_REUSE:  # a row too short to keep costs nothing
-            return []
-        return [row_cache(c, idx, n) for c in self.prompt_cache]
-
-    def _step(self) -> Any:
-        return _counted_step(self, self._batched_step)
-
-    def _batched_step(self) -> tuple[list[int], list[TokenLogprob | None]]:
-        sampler = cast(RowSampler, self.fallback_sampler)
-        self._current_tokens = self._next_tokens  # type: ignore[assignment]
-        self._current_logprobs = self._next_logprobs
-        inputs: Any = self._current_tokens
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        rows = sampler.logits_rows(logits.shape[-1])
-        if rows is not None:
-            logits = apply(logits, self._history_for(sampler, inputs), rows)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = sampler(logprobs)
-        pending: list[mx.array] = []
-        lp_rows = sampler.logprob_rows
-        if lp_rows is not None:
-            step = step_logprobs(logprobs, sampled, lp_rows)
-            handle = _PendingLogprobs(step, lp_rows)
-            self._next_logprobs = [handle.row(i) for i in range(len(self.uids))]
-            pending += step.arrays()
-        else:
-            self._next_logprobs = [None] * len(self.uids)
-        if self._history is not None:
-            self._history = self._history.append(sampled)
-            pending.append(self._history.tokens)
-        self._next_tokens = sampled
-        mx.async_eval(self._next_tokens, *pending)
-        mx.eval(inputs)
-        tokens = cast(list[int], inputs.tolist())
-        for sti, ti in zip(self.tokens, tokens, strict=True):
-            sti.append(ti)
-        return tokens, [None if h is None else h.get() for h in self._current_logprobs]
-
-    def _history_for(self, sampler: RowSampler, inputs: mx.array) -> TokenHistory:
-        if self._history is None:
-            self._history = _history(sampler, self.uids, self.tokens, _ints(inputs))
-        return self._history
-
-    def filter(self, keep: list[int]) -> None:
-        super().filter(keep)
-        if self._history is not None:
-            self._history = self._history.select(keep) if keep else None
-
-    def extend(self, batch: Any) -> None:
-        sampler = cast(RowSampler, self.fallback_sampler)
-        mine, theirs = self._history, getattr(batch, "_history", None)
-        if (mine is None) != (theirs is None) and self.uids and batch.uids:
-            # The side without a history has no row with processors: any window will do.
-            if mine is None:
-                mine = _history(sampler, self.uids, self.tokens, _ints(self._next_tokens))
-            else:
-                theirs = _history(sampler, batch.uids, batch.tokens, _ints(batch._next_tokens))
-        super().extend(batch)
-        if mine is not None and theirs is not None:
-            self._history = mine.extend(theirs)
-        else:
-            self._history = mine if mine is not None else theirs
-
-
-def _history(
-    sampler: RowSampler, uids: list[int], tokens: list[list[int]], next_inputs: list[int]
-) -> TokenHistory:
-    """The rows' windows: every token in their caches, then the input being decoded."""
-    sizes = [sampler.context(u) for u in uids]
-    return TokenHistory.from_prompts(
-        [[*t, x] for t, x in zip(tokens, next_inputs, strict=True)],
-        sizes,
-        vocab_size=sampler.vocab_size,
-    )
-
-
-def _ints(tokens: Any) -> list[int]:
-    return cast(list[int], tokens.tolist())
-
-
-class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
-    def split(self, indices: list[int]) -> Any:
-        # Every row at once (a burst's rows all reach their last prompt token together):
-        # hand the rows over as they are; mlx-lm copies the whole batch's cache first.
-        if sorted(indices) != list(range(len(self.uids))):
-            return super().split(indices)
-        moved = copy.copy(self)
-        self.uids, self.prompt_cache, self.tokens = [], [], []
-        self.samplers, self.logits_processors, self.max_tokens = [], [], []
-        self.stop_sequences = []
-        return moved
-
-    def generate(self, tokens: list[list[int]]) -> Any:
-        # mlx-lm's own, but the new rows join a _BoundGenerationBatch, whose constructor
-        # samples (and counts) their first token.
-        if any(len(t) > 1 for t in tokens):
-            self.prompt([t[:-1] for t in tokens])
-        generation = _BoundGenerationBatch(
-            self.model,
-            self.uids,
-            mx.array([t[-1] for t in tokens]),
-            self.prompt_cache,
-            self.tokens,
-            self.samplers,
-            self.fallback_sampler,
-            self.logits_processors,
-            self.stop_sequences,
-            self.max_tokens,
-        )
-        self.uids, self.prompt_cache, self.tokens = [], [], []
-        self.samplers, self.logits_processors, self.max_tokens = [], [], []
-        return generation
-
-
-class _Generator(BatchGenerator):  # type: ignore[misc]
-    def __init__(
-        self, model: Any, sampler: RowSampler, *, keep_caches: bool = False, **kw: Any
-    ) -> None:
-        super().__init__(model, sampler=sampler, **kw)
-        self._prompt_batch = _BoundPromptBatch.empty(
-            self.model, self.sampler, prefill_step_size=self.prefill_step_size
-        )
-        self._generation_batch = _BoundGenerationBatch.empty(self.model, self.sampler)
-        self._generation_batch.keep_caches = keep_caches
 
 
 class Engine:
@@ -311,9 +91,7 @@ class Engine:
             max_kv_size=max_kv_size,
             stop_tokens=[[t] for t in sorted(self._eos)],
         )
-        self._rows: dict[int, tuple[Job, int]] = {}
-        self._uids_of: dict[str, list[int]] = {}
-        self._stops: dict[int, frozenset[int]] = {}  # rows that end on more than EOS
+        self._rows: dict[int, Row] = {}  # by mlx-lm uid: the rows in the batch
         self._token_info: dict[int, tuple[str, list[int]]] = {}
         self.reset()
 
@@ -340,13 +118,16 @@ class Engine:
         if self.prompt_cache is not None:
             self.prompt_cache.clear()
         self.sampler = RowSampler(self.vocab_size, self._eos)
-        self.sampler.counters = self.counters  # type: ignore[attr-defined]
-        self._gen = _Generator(
-            self.model, self.sampler, keep_caches=self.prompt_cache is not None, **self._kw
+        self._gen = Generator(
+            self.model,
+            self.sampler,
+            self.counters,
+            keep_caches=self.prompt_cache is not None,
+            **self._kw,
         )
+        for row in self._rows.values():
+            row.status = RowStatus.FINISHED
         self._rows.clear()
-        self._uids_of.clear()
-        self._stops.clear()
 
     @property
     def prompt_cache_bytes(self) -> int:
@@ -360,9 +141,6 @@ class Engine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - len(self._rows)
-
-    def holds(self, job_id: str) -> bool:
-        return job_id in self._uids_of
 
     def encode(self, req: GenerationRequest) -> list[int]:
         """Tokenize a request's prompt (or render its chat through the template), and
@@ -400,9 +178,6 @@ class Engine:
                     )
         return list(ids)
 
-    def new_detokenizer(self) -> Any:
-        return self.tokenizer.detokenizer
-
     def add(self, jobs: Sequence[Job]) -> None:
         """Queue jobs' prompts for the next prefill, all in one insert (one row per
         choice); they decode from then on."""
@@ -433,10 +208,8 @@ class Engine:
             # Stop token ids alone change no logit: such a row costs the step nothing.
             logits = req.logits if req.logits is not None and req.logits.active else None
             self.sampler.add(uid, sampling, logits, req.top_logprobs if req.logprobs else None)
-            self._rows[uid] = (job, i)
-            self._uids_of.setdefault(job.id, []).append(uid)
-            if stop != self._eos:
-                self._stops[uid] = stop
+            detok = self.tokenizer.detokenizer  # mlx-lm makes a fresh copy per access
+            self._rows[uid] = Row(uid, job, i, detok, StopMatcher(req.stop), stop)
         self.counters.prompt_tokens += sum(len(job.prompt_ids) for job, _ in rows)
 
     def _cached(self, prompts: list[list[int]]) -> tuple[list[list[Any]] | None, list[int]]:
@@ -474,33 +247,31 @@ class Engine:
 
     def remove(self, jobs: Iterable[Job]) -> None:
         """Take jobs (every row of each) out of the batch now (cancel, deadline, failure)."""
-        uids = [u for j in jobs for u in self._uids_of.get(j.id, ())]
-        if uids:
-            self._gen.remove(uids)
-        for u in uids:
-            self._forget(u)
+        ids = {j.id for j in jobs}
+        rows = [row for row in self._rows.values() if row.job.id in ids]
+        if rows:
+            self._gen.remove([row.uid for row in rows])
+        for row in rows:
+            self._forget(row)
 
-    def step(self) -> list[Job]:
-        """Run one scheduling step (decode, then admit prefill work). Returns the jobs that
-        made output; a choice that ended has its ``finish_reason`` set and left the batch."""
+    def step(self) -> list[Delta]:
+        """Run one scheduling step (decode, then admit prefill work). Returns what each
+        row made, one delta per row that sampled a token; a row whose delta has a
+        ``finish_reason`` left the batch."""
         _, responses = self._gen.next()
-        touched: dict[str, Job] = {}
+        deltas: list[Delta] = []
         for r in responses:
             row = self._rows.get(r.uid)
             if row is not None:
-                self._on_token(r.uid, row[0], row[1], r.token, r.finish_reason, r.logprobs)
-                touched[row[0].id] = row[0]
+                deltas.append(self._on_token(row, r.token, r.finish_reason, r.logprobs))
         self._keep((r.all_tokens, r.prompt_cache) for r in responses if r.finish_reason is not None)
         self.counters.tokens_generated += len(responses)
-        return list(touched.values())
+        return deltas
 
-    def _on_token(
-        self, uid: int, job: Job, index: int, token: int, finish: str | None, logprob: Any
-    ) -> None:
-        choice = job.choices[index]
-        choice.generated += 1
-        detok = choice.detok
-        stop_token = finish == "stop" and token in self._stops.get(uid, self._eos)
+    def _on_token(self, row: Row, token: int, finish: str | None, logprob: Any) -> Delta:
+        row.generated += 1
+        detok = row.detok
+        stop_token = finish == "stop" and token in row.stop_tokens
         if not stop_token:  # a stop token is no part of the text
             detok.add_token(token)
         if finish is not None:
@@ -511,19 +282,18 @@ class Engine:
             # The token's text is what it added to the completion, so a choice's tokens
             # joined give its text (a byte of a multi-byte character adds none yet).
             lps = [self._logprob_entry(logprob, segment)]
-        text, stopped = choice.stops.feed(segment)
+        text, stopped = row.stops.feed(segment)
         if stopped and finish is None:
-            kept = self._gen.remove([uid], return_prompt_caches=self.prompt_cache is not None)
-            if uid in kept:
-                cache, tokens = kept[uid]
+            kept = self._gen.remove([row.uid], return_prompt_caches=self.prompt_cache is not None)
+            if row.uid in kept:
+                cache, tokens = kept[row.uid]
                 self._keep([(tokens, cache)])
             finish = "stop"
         elif finish is not None:
-            text += choice.stops.flush()
-        choice.emit(text, ids, lps)
+            text += row.stops.flush()
         if finish is not None:
-            choice.finish_reason = finish
-            self._forget(uid)
+            self._forget(row)
+        return Delta(row.job, row.index, text, ids, lps, finish, row.generated)
 
     def _logprob_entry(self, lp: TokenLogprob, text: str) -> dict[str, Any]:
         """OpenAI's chat shape; alternatives are shown as each decodes alone."""
@@ -544,16 +314,10 @@ class Engine:
             info = self._token_info[token_id] = (text, list(text.encode("utf-8")))
         return info
 
-    def _forget(self, uid: int) -> None:
-        row = self._rows.pop(uid, None)
-        if row is not None:
-            uids = self._uids_of.get(row[0].id, [])
-            if uid in uids:
-                uids.remove(uid)
-            if not uids:
-                self._uids_of.pop(row[0].id, None)
-        self._stops.pop(uid, None)
-        self.sampler.drop(uid)
+    def _forget(self, row: Row) -> None:
+        self._rows.pop(row.uid, None)
+        row.status = RowStatus.FINISHED
+        self.sampler.drop(row.uid)
 
 
 def _finite(x: float) -> float:

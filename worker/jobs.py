@@ -5,19 +5,21 @@ waiting for rows), moves to RUNNING when its rows join the batch, and to ENDING 
 leaves the batch (its rows are free at once; its end is being committed behind it). It
 owns everything about that run: request, prompt tokens, rq execution, attempt, deadline,
 one :class:`Choice` per sample (``n``) with the text made so far, and it alone numbers
-its chunks.
+its chunks. The engine's rows decode for it; each step's output reaches it as
+:class:`~mlxq.worker.rows.Delta` records (:meth:`Job.apply`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from mlxq.batching.stops import StopMatcher
 from mlxq.producer.codec import Chunk, first_seq
 from mlxq.producer.params import GenerationRequest, ParamKey
+from mlxq.worker.rows import Delta
 
 
 class Status(str, Enum):
@@ -31,8 +33,6 @@ class Choice:
     """One sample of the job's prompt: one batch row's output."""
 
     index: int
-    detok: Any
-    stops: StopMatcher
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
@@ -79,6 +79,16 @@ class Choice:
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
         return out
+
+
+def apply_deltas(deltas: Iterable[Delta]) -> list[Job]:
+    """Hand each delta to its job. Returns the jobs that made output, each once, in the
+    order of their first delta."""
+    touched: dict[str, Job] = {}
+    for delta in deltas:
+        delta.job.apply(delta)
+        touched[delta.job.id] = delta.job
+    return list(touched.values())
 
 
 @dataclass(slots=True, eq=False)
@@ -154,10 +164,9 @@ class Job:
     def all_finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
-    def start(self, execution_id: str, detokenizer: Any) -> list[Chunk]:
-        """Take batch rows. ``detokenizer()`` makes a fresh streaming detokenizer.
-        Returns the chunks to write first: a ``reset`` when an earlier run streamed
-        text listeners must now discard."""
+    def start(self, execution_id: str) -> list[Chunk]:
+        """Take batch rows. Returns the chunks to write first: a ``reset`` when an earlier
+        run streamed text listeners must now discard."""
         self.status = Status.RUNNING
         self.attempt = self.attempts_before + 1
         self.execution_id = execution_id
@@ -167,27 +176,20 @@ class Job:
         self.deadline = None if timeout is None else self.started_mono + timeout
         self.seq = first_seq(self.attempt) - 1
         self.choices = [
-            Choice(
-                i,
-                detokenizer(),
-                StopMatcher(self.request.stop),
-                logprobs=[] if self.request.logprobs else None,
-            )
-            for i in range(self.request.n)
+            Choice(i, logprobs=[] if self.request.logprobs else None) for i in range(self.request.n)
         ]
         if self.attempt == 1:
             return []
         return [self._next(kind="reset")]
 
-    def emit(
-        self,
-        text: str,
-        token_ids: list[int],
-        index: int = 0,
-        logprobs: list[dict[str, Any]] | None = None,
-    ) -> None:
-        """Output one step made for one choice, kept until the next chunk goes out."""
-        self.choices[index].emit(text, token_ids, logprobs or [])
+    def apply(self, delta: Delta) -> None:
+        """Output one step made for one choice, kept until its next chunk goes out; the
+        choice ends with the delta's ``finish_reason``."""
+        choice = self.choices[delta.index]
+        choice.generated = delta.generated
+        choice.emit(delta.text, delta.token_ids, delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
 
     def chunks_due(self, now: float, interval: float) -> list[Chunk]:
         """The chunks to write now: its first output at once, later output once
@@ -199,11 +201,6 @@ class Job:
         if self.first_token_at is None:
             self.first_token_at = now
         return [self._take(c) for c in self.choices if c.due]
-
-    def chunk_due(self, now: float, interval: float) -> Chunk | None:
-        """:meth:`chunks_due` for a job of one choice."""
-        due = self.chunks_due(now, interval)
-        return due[0] if due else None
 
     def finish(self) -> tuple[list[Chunk], Chunk]:
         """Every choice ended: the chunks still owed, and the job's last chunk (with the

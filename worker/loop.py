@@ -27,7 +27,7 @@ from mlxq.worker.bridge import Bridge, End
 from mlxq.worker.cancels import CancelListener
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.engine import Engine
-from mlxq.worker.jobs import Job, Status
+from mlxq.worker.jobs import Job, Status, apply_deltas
 from mlxq.worker.liveness import Liveness
 from mlxq.worker.logs import job_event
 from mlxq.worker.metrics import Metrics, NoMetrics, TokenRate
@@ -271,7 +271,7 @@ class Worker:
                 )
                 continue
             exec_id = uuid.uuid4().hex
-            resets += [(job.id, c, True) for c in job.start(exec_id, self.engine.new_detokenizer)]
+            resets += [(job.id, c, True) for c in job.start(exec_id)]
             starts.append((job.id, job.attempts_before, exec_id))
             rows.append(job)
         self.sink.starts(starts)
@@ -327,7 +327,7 @@ class Worker:
 
     def _step(self) -> None:
         try:
-            touched = self.engine.step()
+            touched = apply_deltas(self.engine.step())
         except Exception as e:
             self._on_engine_error(e)
             return
