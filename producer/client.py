@@ -23,6 +23,7 @@ from mlxq.producer import keys, scripts
 from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer, decode_job_data
 from mlxq.producer.connection import TRANSIENT, backoff, connect
 from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
+from mlxq.producer.errors import QueueFull as QueueFull
 from mlxq.producer.mux import RESYNC, Subscriber
 from mlxq.producer.params import (
     MAX_TOKENS_CAP,
@@ -55,10 +56,6 @@ _STATUS = {
     "canceled": "canceled",
     "stopped": "canceled",
 }
-
-
-class QueueFull(MlxqError):
-    """The queue holds ``max_queued`` jobs already; try later."""
 
 
 @dataclass(frozen=True, slots=True)
