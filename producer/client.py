@@ -32,6 +32,7 @@ from mlxq.producer.params import (
     logits_params,
 )
 from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
+from mlxq.producer.validate import integer_in
 
 log = logging.getLogger("mlxq.producer")
 
@@ -42,6 +43,8 @@ DEFAULT_FAILURE_TTL = keys.DEFAULT_FAILURE_TTL
 #: past this, whatever a rogue record holds).
 MAX_REASON_BYTES = 64 * 1024
 
+#: What a Client's integer settings' errors add: the TTLs among them are in seconds.
+TTL_NOTE = " (seconds for TTLs)"
 #: Jobs per round trip in ``submit_many``.
 SUBMIT_SLICE = 256
 
@@ -313,11 +316,6 @@ class Job:
         return verdict in ("canceled", "requested")
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}] (seconds for TTLs)")
-
-
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -462,9 +460,9 @@ class Client:
             ("result_ttl", result_ttl, 1, keys.MAX_RECORD_TTL),
             ("failure_ttl", failure_ttl, 1, keys.MAX_RECORD_TTL),
         ):
-            _check_int(name, value, lo, hi)
+            integer_in(name, value, lo, hi, note=TTL_NOTE)
         if max_queued is not None:
-            _check_int("max_queued", max_queued, 0, 1 << 40)
+            integer_in("max_queued", max_queued, 0, 1 << 40, note=TTL_NOTE)
         self.redis = connection or connect(redis_url)
         self._subscriber: Subscriber | None = None
         self.queue_name = queue

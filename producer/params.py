@@ -7,16 +7,15 @@ through :meth:`GenerationRequest.from_payload`, so the two can never disagree.
 
 from __future__ import annotations
 
-import math
-import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from mlxq.batching.logits_params import NOTHING, LogitsParams
 from mlxq.producer.errors import PayloadError
+from mlxq.producer.logits_params import NOTHING, LogitsParams
+from mlxq.producer.validate import bad, integer, number, text
 
 PAYLOAD_VERSION = 1
 #: Default cap on ``max_tokens``; a Client or worker may set its own.
@@ -57,55 +56,18 @@ MAX_NAME_CHARS = 64
 ParamKey = tuple[float, float, int, float]
 
 
-#: How much of a bad value an error message shows (any depth, any size: bounded).
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 80, 80, 40
-
-
-def _bad(name: str, value: Any, why: str) -> PayloadError:
-    return PayloadError(f"{name}={_SHORT.repr(value)}: {why}")
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(name, value, "must be a number")
-    try:
-        f = float(value)
-    except OverflowError:
-        raise _bad(name, value, "too large") from None
-    if not math.isfinite(f):
-        raise _bad(name, value, "must be finite")
-    return f
-
-
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _bad(name, value, "must be a string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _bad(name, value, f"not valid Unicode text ({e.reason})") from None
-    return value
-
-
 def _metadata(value: Any) -> dict[str, Any]:
     # Checked by a msgpack round trip: what passes here is exactly what the worker reads back.
     if not isinstance(value, Mapping):
-        raise _bad("metadata", value, "must be a map with string keys")
+        raise bad("metadata", value, "must be a map with string keys")
     try:
         packed = msgpack.packb(dict(value), use_bin_type=True)
         out = msgpack.unpackb(packed, raw=False, strict_map_key=True)
     except (TypeError, ValueError, OverflowError) as e:
-        raise _bad("metadata", value, f"must be msgpack data with string keys ({e})") from None
+        raise bad("metadata", value, f"must be msgpack data with string keys ({e})") from None
     if len(packed) > MAX_METADATA_BYTES:
-        raise _bad("metadata", f"<{len(packed)} bytes>", f"at most {MAX_METADATA_BYTES} bytes")
+        raise bad("metadata", f"<{len(packed)} bytes>", f"at most {MAX_METADATA_BYTES} bytes")
     return dict(out)
-
-
-def _integer(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, value, "must be an integer")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,19 +94,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        t = _number("temperature", self.temperature)
+        t = number("temperature", self.temperature)
         if t < 0:
-            raise _bad("temperature", self.temperature, "must be >= 0")
-        p = _number("top_p", self.top_p)
+            raise bad("temperature", self.temperature, "must be >= 0")
+        p = number("top_p", self.top_p)
         if not 0 < p <= 1:
-            raise _bad("top_p", self.top_p, "must be in (0, 1]")
-        if not 0 <= _integer("top_k", self.top_k) <= MAX_TOP_K:
-            raise _bad("top_k", self.top_k, f"must be in [0, {MAX_TOP_K}] (0 disables it)")
-        m = _number("min_p", self.min_p)
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not 0 <= integer("top_k", self.top_k) <= MAX_TOP_K:
+            raise bad("top_k", self.top_k, f"must be in [0, {MAX_TOP_K}] (0 disables it)")
+        m = number("min_p", self.min_p)
         if not 0 <= m <= 1:
-            raise _bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not 0 <= _integer("seed", self.seed) <= MAX_SEED:
-            raise _bad("seed", self.seed, f"must be in [0, {MAX_SEED}]")
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and not 0 <= integer("seed", self.seed) <= MAX_SEED:
+            raise bad("seed", self.seed, f"must be in [0, {MAX_SEED}]")
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_p", p)
         object.__setattr__(self, "min_p", m)
@@ -165,40 +127,40 @@ def _content(name: str, value: Any) -> str:
     """A message's content: a string, or OpenAI's list of text parts, joined as mlx-lm's
     server joins them (no separator)."""
     if isinstance(value, str):
-        return _text(name, value)
+        return text(name, value)
     if not isinstance(value, Sequence) or isinstance(value, bytes) or not value:
-        raise _bad(name, value, "must be a string or a non-empty list of text parts")
+        raise bad(name, value, "must be a string or a non-empty list of text parts")
     if len(value) > MAX_MESSAGES:
-        raise _bad(name, f"<{len(value)} parts>", f"at most {MAX_MESSAGES}")
+        raise bad(name, f"<{len(value)} parts>", f"at most {MAX_MESSAGES}")
     texts = []
     for j, part in enumerate(value):
         where = f"{name}[{j}]"
         if not isinstance(part, Mapping) or set(part) != {"type", "text"}:
-            raise _bad(where, part, "must be a map with exactly 'type' and 'text'")
+            raise bad(where, part, "must be a map with exactly 'type' and 'text'")
         if part["type"] != "text":
-            raise _bad(f"{where}.type", part["type"], "only 'text' parts are supported")
-        texts.append(_text(f"{where}.text", part["text"]))
+            raise bad(f"{where}.type", part["type"], "only 'text' parts are supported")
+        texts.append(text(f"{where}.text", part["text"]))
     return "".join(texts)
 
 
 def _messages(value: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
-        raise _bad("messages", value, "must be a non-empty list of {role, content} maps")
+        raise bad("messages", value, "must be a non-empty list of {role, content} maps")
     if len(value) > MAX_MESSAGES:
-        raise _bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
+        raise bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or not {"role", "content"} <= set(m) <= MESSAGE_KEYS:
-            raise _bad(
+            raise bad(
                 f"messages[{i}]", m, "must be a map with 'role' and 'content' (and optional 'name')"
             )
         if not isinstance(m["role"], str) or m["role"] not in ROLES:
-            raise _bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
+            raise bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
         msg = {"role": m["role"], "content": _content(f"messages[{i}].content", m["content"])}
         if "name" in m:
             if not isinstance(m["name"], str) or not 0 < len(m["name"]) <= MAX_NAME_CHARS:
-                raise _bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
-            msg["name"] = _text(f"messages[{i}].name", m["name"])
+                raise bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
+            msg["name"] = text(f"messages[{i}].name", m["name"])
         out.append(msg)
     return tuple(out)
 
@@ -207,12 +169,12 @@ def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, Sequence) or isinstance(value, bytes):
-        raise _bad("stop", value, "must be a string or a list of strings")
+        raise bad("stop", value, "must be a string or a list of strings")
     if len(value) > MAX_STOP_STRINGS:
-        raise _bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
+        raise bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
     for s in value:
-        if not isinstance(s, str) or not 0 < len(_text("stop", s)) <= MAX_STOP_CHARS:
-            raise _bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
+        if not isinstance(s, str) or not 0 < len(text("stop", s)) <= MAX_STOP_CHARS:
+            raise bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
     return tuple(value)
 
 
@@ -245,44 +207,44 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
-            raise _bad("prompt", self.prompt, "give exactly one of prompt and messages")
+            raise bad("prompt", self.prompt, "give exactly one of prompt and messages")
         if self.prompt is not None:
-            if not _text("prompt", self.prompt):
-                raise _bad("prompt", self.prompt, "must not be empty")
+            if not text("prompt", self.prompt):
+                raise bad("prompt", self.prompt, "must not be empty")
             chars = len(self.prompt)
         else:
             object.__setattr__(self, "messages", _messages(self.messages))
             chars = sum(len(m["content"]) for m in self.messages or ())
         if chars > MAX_PROMPT_CHARS:
-            raise _bad("prompt", f"<{chars} characters>", f"at most {MAX_PROMPT_CHARS}")
-        cap = _integer("max_tokens_cap", self.max_tokens_cap)
-        if not 1 <= _integer("max_tokens", self.max_tokens) <= cap:
-            raise _bad("max_tokens", self.max_tokens, f"must be in [1, {cap}]")
+            raise bad("prompt", f"<{chars} characters>", f"at most {MAX_PROMPT_CHARS}")
+        cap = integer("max_tokens_cap", self.max_tokens_cap)
+        if not 1 <= integer("max_tokens", self.max_tokens) <= cap:
+            raise bad("max_tokens", self.max_tokens, f"must be in [1, {cap}]")
         if not isinstance(self.sampling, SamplingParams):
-            raise _bad("sampling", self.sampling, "must be SamplingParams")
+            raise bad("sampling", self.sampling, "must be SamplingParams")
         object.__setattr__(self, "stop", _stop(self.stop))
         for name in ("timeout", "ttl"):
             value = getattr(self, name)
             if value is not None:
-                v = _number(name, value)
+                v = number(name, value)
                 if not 0 < v <= MAX_DEADLINE_S:
-                    raise _bad(name, value, f"must be in (0, {MAX_DEADLINE_S:.0f}] seconds")
+                    raise bad(name, value, f"must be in (0, {MAX_DEADLINE_S:.0f}] seconds")
                 object.__setattr__(self, name, v)
         if self.metadata is not None:
             object.__setattr__(self, "metadata", _metadata(self.metadata))
         self._check_samples()
 
     def _check_samples(self) -> None:
-        if not 1 <= _integer("n", self.n) <= MAX_N:
-            raise _bad("n", self.n, f"must be in [1, {MAX_N}]")
+        if not 1 <= integer("n", self.n) <= MAX_N:
+            raise bad("n", self.n, f"must be in [1, {MAX_N}]")
         if not isinstance(self.logprobs, bool):
-            raise _bad("logprobs", self.logprobs, "must be true or false")
-        if not 0 <= _integer("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
-            raise _bad("top_logprobs", self.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+            raise bad("logprobs", self.logprobs, "must be true or false")
+        if not 0 <= integer("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", self.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
-            raise _bad("top_logprobs", self.top_logprobs, "needs logprobs=True")
+            raise bad("top_logprobs", self.top_logprobs, "needs logprobs=True")
         if self.logits is not None and not isinstance(self.logits, LogitsParams):
-            raise _bad("logits", self.logits, "must be LogitsParams")
+            raise bad("logits", self.logits, "must be LogitsParams")
         if self.logits is not None and not (self.logits.active or self.logits.stop_token_ids):
             object.__setattr__(self, "logits", None)
 
@@ -341,10 +303,10 @@ class GenerationRequest:
             PayloadError: on anything but a well-formed version-1 payload.
         """
         if not isinstance(payload, Mapping):
-            raise _bad("payload", payload, "must be a map")
+            raise bad("payload", payload, "must be a map")
         v = payload.get("v")
         if type(v) is not int or v != PAYLOAD_VERSION:
-            raise _bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
+            raise bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
         known = {
             "v",
             "prompt",
@@ -368,7 +330,7 @@ class GenerationRequest:
         }
         unknown = sorted(str(k) for k in payload if k not in known)
         if unknown:
-            raise _bad("payload", unknown, "unknown fields")
+            raise bad("payload", unknown, "unknown fields")
         sampling = SamplingParams(
             temperature=payload.get("temperature", 0.0),
             top_p=payload.get("top_p", 1.0),
@@ -415,5 +377,5 @@ def _bias_pairs(value: Any) -> Any:
     if value is None or isinstance(value, Mapping):
         return value
     if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-        raise _bad("logit_bias", value, "must be a map of token id to bias")
+        raise bad("logit_bias", value, "must be a map of token id to bias")
     return {k: v for k, v in value}
