@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from mlxq.producer.validate import integer_in, logit_number, token_id, value_error
+from mlxq.producer.fields import option
+from mlxq.producer.validate import bad, integer_in, logit_number, token_id, value_error
 
 MAX_CONTEXT_SIZE = 4096
 #: OpenAI's ranges: presence/frequency in [-2, 2], bias values in [-100, 100].
@@ -23,6 +24,23 @@ MAX_LOGIT_BIAS = 300
 MAX_REPETITION_PENALTY = 100.0
 MAX_MIN_TOKENS = 1 << 20
 MAX_STOP_TOKEN_IDS = 256
+
+
+def _bias_to_pairs(bias: Mapping[int, float]) -> list[list[Any]]:
+    # logit_bias travels as [[id, bias], ...] (msgpack maps need string keys here).
+    return [[k, v] for k, v in bias.items()]
+
+
+def _bias_from_pairs(value: Any) -> Any:
+    if value is None or isinstance(value, Mapping):
+        return value
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise bad("logit_bias", value, "must be a map of token id to bias")
+    return {k: v for k, v in value}
+
+
+def _ids(value: Any) -> tuple[Any, ...]:
+    return () if value is None else tuple(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,25 +60,32 @@ class LogitsParams:
             time it occurs among the last ``frequency_context_size``.
         repetition_context_size, presence_context_size, frequency_context_size:
             In [1, 4096]; counted over prompt and generated tokens together.
-        logit_bias: Token id (int, or a decimal string as in OpenAI's JSON) to a
-            value in [-100, 100] added to its logit; at most 300 entries.
         min_tokens: Until the row has generated this many tokens, its
             ``stop_token_ids`` and the model's EOS ids get logit -inf.
+        logit_bias: Token id (int, or a decimal string as in OpenAI's JSON) to a
+            value in [-100, 100] added to its logit; at most 300 entries.
         stop_token_ids: Token ids that end the row (masked by ``min_tokens``).
 
     Raises:
         ValueError: Naming the field and the bad value.
     """
 
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    presence_penalty: float = 0.0
-    presence_context_size: int = 20
-    frequency_penalty: float = 0.0
-    frequency_context_size: int = 20
-    min_tokens: int = 0
-    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
-    stop_token_ids: tuple[int, ...] = ()
+    # A payload carries each only when set; the context sizes are no submit keywords.
+    repetition_penalty: float | None = field(default=None, metadata=option(sparse=True))
+    repetition_context_size: int = field(default=20, metadata=option(sparse=True, submit=False))
+    presence_penalty: float = field(default=0.0, metadata=option(sparse=True))
+    presence_context_size: int = field(default=20, metadata=option(sparse=True, submit=False))
+    frequency_penalty: float = field(default=0.0, metadata=option(sparse=True))
+    frequency_context_size: int = field(default=20, metadata=option(sparse=True, submit=False))
+    min_tokens: int = field(default=0, metadata=option(sparse=True))
+    logit_bias: Mapping[int, float] | None = field(
+        default=None,
+        hash=False,
+        metadata=option(sparse=True, encode=_bias_to_pairs, decode=_bias_from_pairs),
+    )
+    stop_token_ids: tuple[int, ...] = field(
+        default=(), metadata=option(sparse=True, given=_ids, encode=list)
+    )
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:

@@ -7,14 +7,15 @@ through :meth:`GenerationRequest.from_payload`, so the two can never disagree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from mlxq.producer.errors import PayloadError
-from mlxq.producer.logits_params import NOTHING, LogitsParams
+from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
+from mlxq.producer.logits_params import LogitsParams
 from mlxq.producer.validate import bad, integer, number, text
 
 PAYLOAD_VERSION = 1
@@ -37,15 +38,7 @@ MAX_N = 16
 #: Most alternatives per position ``top_logprobs`` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 #: The LogitsParams fields a payload carries as plain values.
-LOGITS_FIELDS = (
-    "repetition_penalty",
-    "repetition_context_size",
-    "presence_penalty",
-    "presence_context_size",
-    "frequency_penalty",
-    "frequency_context_size",
-    "min_tokens",
-)
+LOGITS_FIELDS = tuple(s.name for s in specs(LogitsParams) if s.option.encode is None)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 #: The keys a chat message may carry: OpenAI's, less those needing tools or images.
 MESSAGE_KEYS = frozenset({"role", "content", "name"})
@@ -87,11 +80,26 @@ class SamplingParams:
         PayloadError: (a ``ValueError``) naming the field and the bad value.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: float = field(
+        default=0.0,
+        metadata=flag("0 is greedy (default: %(default)s)", type=float),
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata=flag("nucleus mass; 1 disables (default: %(default)s)", type=float),
+    )
+    top_k: int = field(
+        default=0,
+        metadata=flag("keep the k likeliest; 0 disables (default: %(default)s)", type=int),
+    )
+    min_p: float = field(
+        default=0.0,
+        metadata=flag("relative floor; 0 disables (default: %(default)s)", type=float),
+    )
+    seed: int | None = field(
+        default=None,
+        metadata=flag("per-job seed (default: none, unseeded)", type=int),
+    )
 
     def __post_init__(self) -> None:
         t = number("temperature", self.temperature)
@@ -178,6 +186,31 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def logits_params(**kw: Any) -> LogitsParams | None:
+    """The :class:`LogitsParams` of a request, None when it asks for nothing.
+
+    Raises:
+        PayloadError: naming the field and the bad value.
+    """
+    try:
+        lp = LogitsParams(**kw)
+    except ValueError as e:
+        raise PayloadError(str(e)) from None
+    return lp if lp.active or lp.stop_token_ids else None
+
+
+def _maybe(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else convert(v)
+
+
+def _strings(value: Any) -> tuple[Any, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _or_empty(value: Any) -> Any:
+    return () if value is None else value
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One generation job: the input, how long, how to sample.
@@ -191,19 +224,51 @@ class GenerationRequest:
         PayloadError: (a ``ValueError``) naming the field and the bad value.
     """
 
-    prompt: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-    max_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    metadata: dict[str, Any] | None = None
-    timeout: float | None = None
-    ttl: float | None = None
+    prompt: str | None = field(default=None, metadata=option())
+    messages: tuple[dict[str, str], ...] | None = field(
+        default=None, metadata=option(given=_maybe(tuple), encode=_maybe(list))
+    )
+    max_tokens: int = field(
+        default=256,
+        metadata=flag("most tokens to generate (default: %(default)s)", type=int),
+    )
+    sampling: SamplingParams = field(default_factory=SamplingParams, metadata=group(SamplingParams))
+    stop: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            given=_strings,
+            encode=list,
+            decode=_or_empty,
+            cli=dict(action="append", default=[], help="stop string, repeatable (default: none)"),
+        ),
+    )
+    metadata: dict[str, Any] | None = field(
+        default=None, metadata=option(given=_maybe(dict), encode=_maybe(dict))
+    )
+    timeout: float | None = field(
+        default=None,
+        metadata=flag(
+            "seconds the job may run once started; past it, it fails (default: no limit)",
+            type=float,
+            metavar="S",
+        ),
+    )
+    ttl: float | None = field(
+        default=None,
+        metadata=flag(
+            "seconds the job may wait in the queue; past it, it fails (default: no limit)",
+            type=float,
+            metavar="S",
+        ),
+    )
     max_tokens_cap: int = MAX_TOKENS_CAP
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
-    logits: LogitsParams | None = None
+    # Written only when set, so a job asking for none of these reads as before them.
+    n: int = field(default=1, metadata=option(sparse=True))
+    logprobs: bool = field(default=False, metadata=option(sparse=True))
+    top_logprobs: int = field(default=0, metadata=option(rides_with="logprobs"))
+    logits: LogitsParams | None = field(
+        default=None, metadata=group(LogitsParams, build=logits_params)
+    )
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -256,42 +321,22 @@ class GenerationRequest:
 
     def to_payload(self) -> dict[str, Any]:
         """The msgpack-ready map stored as the rq job's only argument."""
-        s = self.sampling
-        return {
-            "v": PAYLOAD_VERSION,
-            "prompt": self.prompt,
-            "messages": list(self.messages) if self.messages is not None else None,
-            "max_tokens": self.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "min_p": s.min_p,
-            "seed": s.seed,
-            "stop": list(self.stop),
-            "metadata": dict(self.metadata) if self.metadata is not None else None,
-            "timeout": self.timeout,
-            "ttl": self.ttl,
-            **self._extras(),
-        }
+        return {"v": PAYLOAD_VERSION, **encode(self)}
 
-    def _extras(self) -> dict[str, Any]:
-        # Written only when set, so a job asking for none of them reads as before.
-        out: dict[str, Any] = {}
-        if self.n != 1:
-            out["n"] = self.n
-        if self.logprobs:
-            out["logprobs"], out["top_logprobs"] = True, self.top_logprobs
-        lp = self.logits
-        if lp is not None:
-            for name in LOGITS_FIELDS:
-                value = getattr(lp, name)
-                if value != getattr(NOTHING, name):
-                    out[name] = value
-            if lp.logit_bias:
-                out["logit_bias"] = [[k, v] for k, v in lp.logit_bias.items()]
-            if lp.stop_token_ids:
-                out["stop_token_ids"] = list(lp.stop_token_ids)
-        return out
+    @classmethod
+    def from_arguments(
+        cls, arguments: Mapping[str, Any], *, max_tokens_cap: int = MAX_TOKENS_CAP
+    ) -> GenerationRequest:
+        """The request :meth:`Client.submit`'s keyword ``arguments`` ask for (their names
+        already checked, see :func:`check_names`).
+
+        Raises:
+            TypeError: an argument of the wrong shape to convert (``stop=5``).
+            PayloadError: naming the field and the bad value.
+        """
+        values = given(cls, arguments)
+        request: GenerationRequest = assemble(cls, values, max_tokens_cap=max_tokens_cap)
+        return request
 
     @classmethod
     def from_payload(
@@ -307,75 +352,27 @@ class GenerationRequest:
         v = payload.get("v")
         if type(v) is not int or v != PAYLOAD_VERSION:
             raise bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
-        known = {
-            "v",
-            "prompt",
-            "messages",
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "stop",
-            "metadata",
-            "timeout",
-            "ttl",
-            "n",
-            "logprobs",
-            "top_logprobs",
-            "logit_bias",
-            "stop_token_ids",
-            *LOGITS_FIELDS,
-        }
-        unknown = sorted(str(k) for k in payload if k not in known)
+        unknown = sorted(str(k) for k in payload if k != "v" and k not in PAYLOAD_KEYS)
         if unknown:
             raise bad("payload", unknown, "unknown fields")
-        sampling = SamplingParams(
-            temperature=payload.get("temperature", 0.0),
-            top_p=payload.get("top_p", 1.0),
-            top_k=payload.get("top_k", 0),
-            min_p=payload.get("min_p", 0.0),
-            seed=payload.get("seed"),
+        request: GenerationRequest = assemble(
+            cls, decoded(cls, payload), max_tokens_cap=max_tokens_cap
         )
-        return cls(
-            prompt=payload.get("prompt"),
-            messages=payload.get("messages"),
-            max_tokens=payload.get("max_tokens", 256),
-            sampling=sampling,
-            stop=() if payload.get("stop") is None else payload["stop"],
-            metadata=payload.get("metadata"),
-            timeout=payload.get("timeout"),
-            ttl=payload.get("ttl"),
-            max_tokens_cap=max_tokens_cap,
-            n=payload.get("n", 1),
-            logprobs=payload.get("logprobs", False),
-            top_logprobs=payload.get("top_logprobs", 0),
-            logits=logits_params(
-                **{k: payload[k] for k in LOGITS_FIELDS if k in payload},
-                logit_bias=_bias_pairs(payload.get("logit_bias")),
-                stop_token_ids=payload.get("stop_token_ids", ()),
-            ),
-        )
+        return request
 
 
-def logits_params(**kw: Any) -> LogitsParams | None:
-    """The :class:`LogitsParams` of a request, None when it asks for nothing.
+#: Every option's name, as a payload key.
+PAYLOAD_KEYS = frozenset(s.name for s in specs(GenerationRequest))
+#: The keyword arguments :meth:`Client.submit` takes.
+SUBMIT_OPTIONS = frozenset(s.name for s in specs(GenerationRequest) if s.option.submit)
+
+
+def check_names(names: Iterable[str], caller: str) -> None:
+    """Refuse a keyword that is no submit option, as Python refuses one.
 
     Raises:
-        PayloadError: naming the field and the bad value.
+        TypeError: ``"{caller} got an unexpected keyword argument 'name'"``.
     """
-    try:
-        lp = LogitsParams(**kw)
-    except ValueError as e:
-        raise PayloadError(str(e)) from None
-    return lp if lp.active or lp.stop_token_ids else None
-
-
-def _bias_pairs(value: Any) -> Any:
-    # logit_bias travels as [[id, bias], ...] (msgpack maps need string keys here).
-    if value is None or isinstance(value, Mapping):
-        return value
-    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-        raise bad("logit_bias", value, "must be a map of token id to bias")
-    return {k: v for k, v in value}
+    for name in names:
+        if name not in SUBMIT_OPTIONS:
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}")

@@ -11,17 +11,15 @@ Unknown fields are ignored, with one warning per field name per process.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, TypeVar
 
-from mlxq.producer.client import Client, build_request
+from mlxq.producer.client import build_request
 from mlxq.producer.errors import InvalidRequest, PayloadError
-from mlxq.producer.params import MAX_TOKENS_CAP
+from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
 from mlxq.producer.validate import integer_in, invalid, number_in
 
 log = logging.getLogger("mlxq.openai")
@@ -52,10 +50,9 @@ _warned: set[str] = set()
 _PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.\w+)?)=")
 
 
-@cache
 def submit_supports(name: str) -> bool:
     """Whether this version's :meth:`Client.submit` takes keyword ``name``."""
-    return name in inspect.signature(Client.submit).parameters
+    return name in SUBMIT_OPTIONS
 
 
 def _ignore(name: str) -> None:
