@@ -3,6 +3,12 @@
 A producer validates before anything reaches Redis; the worker validates again
 what it reads back, because a rogue producer can write Redis directly. Both go
 through :meth:`GenerationRequest.from_payload`, so the two can never disagree.
+
+:class:`GenerationRequest` is the one list of request fields: each of its fields, and each
+field of its :class:`SamplingParams` and :class:`~mlxq.producer.logits_params.LogitsParams`,
+declares its submit keyword, payload key and ``mlxq submit`` flag
+(:mod:`mlxq.producer.fields`). A new option is one field here plus its docs
+(:meth:`Client.submit`'s docstring).
 """
 
 from __future__ import annotations
