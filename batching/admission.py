@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from mlxq.producer.params import ParamKey
+from mlxq.producer.validate import at_least
 
 
 class Waiting(Protocol):
@@ -55,11 +56,6 @@ class Waiting(Protocol):
 
 
 W = TypeVar("W", bound=Waiting)
-
-
-def _check_int(name: str, value: object, lowest: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {lowest}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +95,8 @@ class AdmissionPolicy:
     max_wait_steps: int = 32
 
     def __post_init__(self) -> None:
-        _check_int("max_batch", self.max_batch, 1)
-        _check_int("max_wait_steps", self.max_wait_steps, 0)
+        at_least("max_batch", self.max_batch, 1)
+        at_least("max_wait_steps", self.max_wait_steps, 0)
 
 
 def _check_call(
@@ -110,12 +106,12 @@ def _check_call(
     step: int,
     policy: AdmissionPolicy,
 ) -> None:
-    _check_int("free_slots", free_slots, 0)
+    at_least("free_slots", free_slots, 0)
     if free_slots > policy.max_batch:
         raise ValueError(f"free_slots={free_slots!r}: more than max_batch={policy.max_batch}")
-    _check_int("step", step, 0)
+    at_least("step", step, 0)
     for key, count in running.items():
-        _check_int(f"running[{key!r}]", count, 0)
+        at_least(f"running[{key!r}]", count, 0)
     # A job dated in the future would never age: its wait bound would be void.
     late = next((p for p in pending if p.arrived_step > step), None)
     if late is not None:

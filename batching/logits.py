@@ -43,7 +43,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxq.batching.history import TokenHistory
-from mlxq.batching.logits_params import NOTHING, LogitsParams, bad, token_id
+from mlxq.producer.logits_params import NOTHING, LogitsParams
+from mlxq.producer.validate import token_id, value_error
 
 #: Above this many (window x bias) pairs per row, the repetition penalty reads the
 #: biased logits with a gather (one extra copy) instead of matching ids pairwise.
@@ -108,7 +109,7 @@ class LogitsRows:
             ValueError: If ``vocab_size`` < 1 or a token id is not below it.
         """
         if vocab_size < 1:
-            raise bad("vocab_size", vocab_size, "must be >= 1")
+            raise value_error("vocab_size", vocab_size, "must be >= 1")
         ps = [p or NOTHING for p in params]
         eos = tuple(sorted({token_id("eos_token_ids", t) for t in eos_token_ids}))
         stops = [tuple(dict.fromkeys(p.stop_token_ids + eos)) if p.min_tokens else () for p in ps]
@@ -116,7 +117,7 @@ class LogitsRows:
         for i, (b, s) in enumerate(zip(biases, stops, strict=True)):
             for name, t in [("logit_bias", t) for t, _ in b] + [("stop_token_ids", t) for t in s]:
                 if t >= vocab_size:
-                    raise bad(f"params[{i}].{name}", t, f"token id must be < {vocab_size}")
+                    raise value_error(f"params[{i}].{name}", t, f"token id must be < {vocab_size}")
         n, n_stop = len(ps), max((len(s) for s in stops), default=0)
         reps = [p.repetition_penalty if p.repetition else None for p in ps]
         return cls(

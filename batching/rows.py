@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxq.batching.logits import LogitsRows
-from mlxq.batching.logits_params import LogitsParams
 from mlxq.batching.logprobs import LogprobRows
 from mlxq.batching.sampler import RowParams, sample
+from mlxq.producer.logits_params import LogitsParams
 from mlxq.producer.params import SamplingParams
 
 

@@ -8,10 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
-def _check_int(name: str, value: object, lowest: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {lowest}")
+from mlxq.producer.validate import at_least
 
 
 @dataclass(slots=True)
@@ -53,7 +50,7 @@ class Window:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"window_s={w!r}: must be a finite number of seconds >= 0")
         self.window_s = float(w)
-        _check_int("max_batch", self.max_batch, 1)
+        at_least("max_batch", self.max_batch, 1)
 
     @property
     def is_open(self) -> bool:

@@ -38,8 +38,8 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import LogitsRows, apply
-from mlxq.batching.logits_params import LogitsParams
 from mlxq.batching.logprobs import LogprobRows, step_logprobs, to_host
+from mlxq.producer.logits_params import LogitsParams
 
 POOL = 3  # distinct logits arrays cycled through, so no step reads a cached result
 

@@ -1,35 +1,84 @@
-"""The ``mlxq`` command: one entry that dispatches to the package that owns each command.
+"""The ``mlxq`` command: one entry that dispatches to the module that owns each command.
 
 ``model`` and ``worker`` live in :mod:`mlxq.worker.cli`, ``serve`` in the gateway,
-``run-batch`` in :mod:`mlxq.producer.batch`, job control in :mod:`mlxq.producer.commands`,
-``info`` here. Whatever goes wrong ends as one
-line on stderr and a non-zero exit (2 for a bad value, 1 otherwise); ``--log-level
-DEBUG`` adds the traceback.
+``run-batch`` in :mod:`mlxq.producer.batch`, job control and ``info`` in
+:mod:`mlxq.producer.commands`. As mlx-lm's ``cli.py`` does, only the chosen command's
+module is imported (:data:`COMMANDS` holds the lines ``mlxq --help`` lists), so ``mlxq
+submit`` never loads the worker. Whatever goes wrong ends as one line on stderr and a
+non-zero exit (2 for a bad value, 1 otherwise); ``--log-level DEBUG`` adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
 import os
 import sys
-import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from importlib import metadata
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
-from mlxq.producer import commands, keys
-from mlxq.producer.batch import cli as batch_cli
-from mlxq.producer.connection import connect, problem
+from mlxq.producer import keys
+from mlxq.producer.connection import problem
 from mlxq.producer.errors import MlxqError
-from mlxq.producer.gateway import cli as gateway_cli
-from mlxq.worker import cli as worker_cli
 
 DESCRIPTION = "A Redis job queue for LLM generation on MLX."
+
+
+class Command(NamedTuple):
+    """One ``mlxq`` command: its line in ``mlxq --help``, the module that owns it, the
+    functions there that add its arguments (given its parser) and run it (given the
+    parsed arguments), and whether it takes the shared ``--redis-url`` / ``--log-level``."""
+
+    help: str
+    module: str
+    add: str
+    run: str
+    common: bool = True
+
+
+_JOBS = "mlxq.producer.commands"
+#: Every command, in the order ``mlxq --help`` lists them.
+COMMANDS: dict[str, Command] = {
+    "model": Command("build models", "mlxq.worker.cli", "add_model_arguments", "run_model", False),
+    "worker": Command("run the MLX worker", "mlxq.worker.cli", "add_worker", "run_worker", False),
+    "submit": Command(
+        "submit one job; print its id or stream its text", _JOBS, "add_submit", "run_submit"
+    ),
+    "status": Command(
+        "one job's status, queue, attempts, worker, timings, failure reason",
+        _JOBS,
+        "add_status",
+        "run_status",
+    ),
+    "result": Command(
+        "wait for one job's end and print its text", _JOBS, "add_result", "run_result"
+    ),
+    "stream": Command(
+        "print one job's text, live or replayed, until its end", _JOBS, "add_stream", "run_stream"
+    ),
+    "cancel": Command("cancel jobs, queued or running", _JOBS, "add_cancel", "run_cancel"),
+    "jobs": Command("recent jobs with status and age", _JOBS, "add_jobs", "run_jobs"),
+    "run-batch": Command(
+        "run an OpenAI Batch file (JSON lines) through mlxq queues; resumable",
+        "mlxq.producer.batch.cli",
+        "add_arguments",
+        "run",
+        False,
+    ),
+    "info": Command("queues and workers", _JOBS, "add_info", "run_info"),
+    "serve": Command(
+        "serve the OpenAI-compatible HTTP API and the dashboard",
+        "mlxq.producer.gateway.cli",
+        "add_arguments",
+        "run",
+        False,
+    ),
+}
 
 
 def redis_url(arg: str | None) -> str:
@@ -62,86 +111,24 @@ def _version() -> str:
         return "unknown"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(load: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``mlxq`` parser, with the commands in ``load`` filled in (None: all of them)."""
     ap = argparse.ArgumentParser(prog="mlxq", description=DESCRIPTION)
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
-
-    model = sub.add_parser("model", help="build models")
-    worker_cli.add_model_arguments(model)
-    model.set_defaults(run=worker_cli.run_model)
-    worker = sub.add_parser(
-        "worker", help="run the MLX worker", description=worker_cli.WORKER_DESCRIPTION
-    )
-    worker_cli.add_worker_arguments(worker)
-    worker.set_defaults(run=worker_cli.run_worker)
-
-    parents = [_common()]
-    commands.add_submit(sub, parents)
-    for add in (
-        commands.add_status,
-        commands.add_result,
-        commands.add_stream,
-        commands.add_cancel,
-        commands.add_jobs,
-    ):
-        add(sub, parents)
-
-    batch = sub.add_parser("run-batch", help=batch_cli.HELP, description=batch_cli.DESCRIPTION)
-    batch_cli.add_arguments(batch)
-    batch.set_defaults(run=batch_cli.run)
-
-    i = sub.add_parser("info", parents=parents, help="queues and workers")
-    i.add_argument("--json", action="store_true", help="print JSON (default: off)")
-    i.add_argument(
-        "--watch", action="store_true", help="refresh in place until Ctrl-C (default: off)"
-    )
-    i.add_argument(
-        "--interval",
-        type=float,
-        default=1.0,
-        metavar="S",
-        help="with --watch: seconds between refreshes (default: %(default)s)",
-    )
-    i.set_defaults(run=run_info)
-
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the dashboard")
-    gateway_cli.add_arguments(serve)
-    serve.set_defaults(run=gateway_cli.run)
+    for name, c in COMMANDS.items():
+        p = sub.add_parser(name, help=c.help, parents=[_common()] if c.common else [])
+        if load is None or name in load:
+            module = importlib.import_module(c.module)
+            getattr(module, c.add)(p)
+            p.set_defaults(run=getattr(module, c.run))
     return ap
 
 
-def run_info(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
-    from mlxq.producer.info import collect, render
-
-    conn = connect(args.redis_url)
-
-    def warn(msg: str) -> None:
-        print(f"mlxq: warning: {msg}", file=sys.stderr)
-
-    if not args.watch:
-        doc = collect(conn, warn)
-        if args.json:
-            print(json.dumps(doc, indent=2))
-        else:
-            Console().print(render(doc))
-        return 0
-    if args.interval <= 0:
-        raise ValueError(f"--interval={args.interval!r}: must be > 0")
-    try:
-        if args.json:  # one document per line, for scripts
-            while True:
-                print(json.dumps(collect(conn, warn)), flush=True)
-                time.sleep(args.interval)
-        with Live(render(collect(conn, warn)), auto_refresh=False) as live:
-            while True:
-                time.sleep(args.interval)
-                live.update(render(collect(conn, warn)), refresh=True)
-    except KeyboardInterrupt:
-        return 0
+def _chosen(argv: Sequence[str]) -> set[str]:
+    # The first word that is no option names the command: the entry's own options
+    # (--help, --version) take no value.
+    return {next((a for a in argv if not a.startswith("-")), "")}
 
 
 def _say(message: str, error: BaseException, debug: bool) -> None:
@@ -151,7 +138,8 @@ def _say(message: str, error: BaseException, debug: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(_chosen(argv)).parse_args(argv)
     level = str(getattr(args, "log_level", "WARNING")).upper()
     debug = level == "DEBUG"
     if hasattr(args, "redis_url"):

@@ -23,14 +23,11 @@ from mlxq.producer import keys, scripts
 from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer, decode_job_data
 from mlxq.producer.connection import TRANSIENT, backoff, connect
 from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
+from mlxq.producer.errors import QueueFull as QueueFull
 from mlxq.producer.mux import RESYNC, Subscriber
-from mlxq.producer.params import (
-    MAX_TOKENS_CAP,
-    GenerationRequest,
-    SamplingParams,
-    logits_params,
-)
+from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, check_names
 from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
+from mlxq.producer.validate import integer_in
 
 log = logging.getLogger("mlxq.producer")
 
@@ -41,6 +38,8 @@ DEFAULT_FAILURE_TTL = keys.DEFAULT_FAILURE_TTL
 #: past this, whatever a rogue record holds).
 MAX_REASON_BYTES = 64 * 1024
 
+#: What a Client's integer settings' errors add: the TTLs among them are in seconds.
+TTL_NOTE = " (seconds for TTLs)"
 #: Jobs per round trip in ``submit_many``.
 SUBMIT_SLICE = 256
 
@@ -55,10 +54,6 @@ _STATUS = {
     "canceled": "canceled",
     "stopped": "canceled",
 }
-
-
-class QueueFull(MlxqError):
-    """The queue holds ``max_queued`` jobs already; try later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,54 +124,18 @@ class Result:
 
 
 def build_request(
-    prompt: str | None = None,
-    *,
-    messages: Sequence[Mapping[str, Any]] | None = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    stop: str | Sequence[str] = (),
-    seed: int | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
-    ttl: float | None = None,
-    n: int = 1,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float | None = None,
-    logit_bias: Mapping[int, float] | None = None,
-    stop_token_ids: Sequence[int] = (),
-    min_tokens: int = 0,
-    max_tokens_cap: int = MAX_TOKENS_CAP,
+    prompt: str | None = None, *, max_tokens_cap: int = MAX_TOKENS_CAP, **options: Any
 ) -> GenerationRequest:
-    """Check a submit's arguments; see :meth:`Client.submit`."""
-    logits = logits_params(
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        logit_bias=logit_bias,
-        stop_token_ids=tuple(stop_token_ids) if stop_token_ids is not None else (),
-        min_tokens=min_tokens,
-    )
-    return GenerationRequest(
-        prompt=prompt,
-        messages=tuple(messages) if messages is not None else None,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
-        sampling=SamplingParams(temperature, top_p, top_k, min_p, seed),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        metadata=dict(metadata) if metadata is not None else None,
-        timeout=timeout,
-        ttl=ttl,
-        max_tokens_cap=max_tokens_cap,
-        n=n,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        logits=logits,
-    )
+    """Check a submit's arguments (those of :meth:`Client.submit`) and make the request.
+
+    Raises:
+        TypeError: a keyword :meth:`Client.submit` does not take, or an argument of the
+            wrong shape to convert (``stop=5``).
+        PayloadError: (a ``ValueError``) naming the field and the bad value.
+    """
+    check_names(options, "build_request()")
+    arguments = {"prompt": prompt, **options}
+    return GenerationRequest.from_arguments(arguments, max_tokens_cap=max_tokens_cap)
 
 
 class Job:
@@ -314,11 +273,6 @@ class Job:
         if verdict == "nosuch":
             raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
         return verdict in ("canceled", "requested")
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}] (seconds for TTLs)")
 
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -465,9 +419,9 @@ class Client:
             ("result_ttl", result_ttl, 1, keys.MAX_RECORD_TTL),
             ("failure_ttl", failure_ttl, 1, keys.MAX_RECORD_TTL),
         ):
-            _check_int(name, value, lo, hi)
+            integer_in(name, value, lo, hi, note=TTL_NOTE)
         if max_queued is not None:
-            _check_int("max_queued", max_queued, 0, 1 << 40)
+            integer_in("max_queued", max_queued, 0, 1 << 40, note=TTL_NOTE)
         self.redis = connection or connect(redis_url)
         self._subscriber: Subscriber | None = None
         self.queue_name = queue
@@ -477,32 +431,12 @@ class Client:
         self.max_queued = max_queued
         self._queue = Queue(queue, connection=self.redis, serializer=MsgpackSerializer)
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        stop: str | Sequence[str] = (),
-        seed: int | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        timeout: float | None = None,
-        ttl: float | None = None,
-        n: int = 1,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        stop_token_ids: Sequence[int] = (),
-        min_tokens: int = 0,
-    ) -> Job:
+    def submit(self, prompt: str | None = None, **options: Any) -> Job:
         """Queue one generation job.
+
+        Its keyword arguments are the fields of
+        :class:`~mlxq.producer.params.GenerationRequest` (and of its sampling and
+        logits groups) that declare themselves submit options.
 
         Args:
             prompt: Raw text, tokenized as is. Give exactly one of prompt / messages.
@@ -543,35 +477,11 @@ class Client:
         Raises:
             ValueError: (``PayloadError``) naming the bad field and its value;
                 nothing reached Redis.
+            TypeError: a keyword argument it does not take.
             QueueFull: the queue holds ``max_queued`` jobs.
         """
-        return self.submit_many(
-            [
-                dict(
-                    prompt=prompt,
-                    messages=messages,
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k,
-                    min_p=min_p,
-                    stop=stop,
-                    seed=seed,
-                    metadata=metadata,
-                    timeout=timeout,
-                    ttl=ttl,
-                    n=n,
-                    logprobs=logprobs,
-                    top_logprobs=top_logprobs,
-                    presence_penalty=presence_penalty,
-                    frequency_penalty=frequency_penalty,
-                    repetition_penalty=repetition_penalty,
-                    logit_bias=logit_bias,
-                    stop_token_ids=stop_token_ids,
-                    min_tokens=min_tokens,
-                )
-            ]
-        )[0]
+        check_names(options, "Client.submit()")
+        return self.submit_many([{"prompt": prompt, **options}])[0]
 
     def submit_many(
         self, jobs: Sequence[Mapping[str, Any]], *, job_ids: Sequence[str] | None = None

@@ -106,11 +106,6 @@ def encode_chunk(c: Chunk) -> bytes:
     return msgpack.packb(m, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def decode_entries(entries: Any) -> list[Chunk]:
-    """Chunks from an XRANGE / XREVRANGE reply of a job's replay log."""
-    return [decode_chunk(fields[b"c"]) for _, fields in entries or ()]
-
-
 def decode_message(data: bytes) -> Chunk | None:
     """A pub/sub message of a job's channel: its chunk, or None for a :data:`NOTICE`.
 
@@ -170,11 +165,6 @@ def _extras(m: dict[str, Any]) -> tuple[int, list[dict[str, Any]] | None, bool |
     if done is not None and not isinstance(done, bool):
         raise PayloadError(f"chunk.done={done!r}: must be true or false")
     return index, logprobs, done
-
-
-def encode_job_data(payload: dict[str, Any]) -> bytes:
-    """rq's job envelope for an mlxq payload (what rq stores, before its zlib)."""
-    return MsgpackSerializer.dumps((keys.JOB_FUNC, None, [payload], {}))
 
 
 def decode_job_data(raw: bytes, limit: int = MAX_JOB_DATA_BYTES) -> Any:

@@ -1,8 +1,9 @@
-"""``mlxq submit | status | result | stream | cancel | jobs``: job control from the shell.
+"""``mlxq submit | status | result | stream | cancel | jobs | info``: job control from the shell.
 
-Each ``add_*`` function adds one command's arguments (every option's help shows its
-default) and sets ``run`` to the function that carries it out. Errors are raised, not
-printed: the ``mlxq`` entry turns them into one line and an exit code.
+Each ``add_X`` function adds command X's arguments to its parser (every option's help
+shows its default; ``submit``'s request options come from the request's fields), and
+``run_X`` carries it out. Errors are raised, not printed: the ``mlxq`` entry turns them
+into one line and an exit code.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ import json
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any
 
 from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
 from mlxq.producer import listing
 from mlxq.producer.client import Client, Job, cancel_job
+from mlxq.producer.connection import connect
 from mlxq.producer.errors import JobTimeout, NoSuchJob
-from mlxq.producer.info import duration
+from mlxq.producer.fields import flags
+from mlxq.producer.info import collect, duration, render
+from mlxq.producer.params import GenerationRequest
 from mlxq.producer.terminal import StreamPrinter
-
-Parents = list[argparse.ArgumentParser]
 
 
 def _wait_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -36,60 +38,19 @@ def _wait_arg(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def add_submit(sub: Any, parents: Parents) -> None:
-    s = sub.add_parser(
-        "submit",
-        parents=parents,
-        help="submit one job; print its id or stream its text",
-        description="Queue one generation job. Without --stream, print its id on stdout; "
-        "with --stream, print the id on stderr, then the text as it is made.",
+def add_submit(s: argparse.ArgumentParser) -> None:
+    s.description = (
+        "Queue one generation job. Without --stream, print its id on stdout; "
+        "with --stream, print the id on stderr, then the text as it is made."
     )
     s.add_argument(
         "prompt", help="the prompt; '-' reads it from stdin (one trailing newline dropped)"
     )
     s.add_argument("--queue", default="default", help="queue to submit to (default: %(default)s)")
-    s.add_argument(
-        "--max-tokens", type=int, default=256, help="most tokens to generate (default: %(default)s)"
-    )
-    s.add_argument(
-        "--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)"
-    )
-    s.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus mass; 1 disables (default: %(default)s)"
-    )
-    s.add_argument(
-        "--top-k",
-        type=int,
-        default=0,
-        help="keep the k likeliest; 0 disables (default: %(default)s)",
-    )
-    s.add_argument(
-        "--min-p", type=float, default=0.0, help="relative floor; 0 disables (default: %(default)s)"
-    )
-    s.add_argument("--seed", type=int, default=None, help="per-job seed (default: none, unseeded)")
-    s.add_argument(
-        "--stop", action="append", default=[], help="stop string, repeatable (default: none)"
-    )
-    s.add_argument(
-        "--chat", action="store_true", help="send the prompt as one user message (default: off)"
-    )
-    s.add_argument(
-        "--stream", action="store_true", help="stream the text as it is made (default: off)"
-    )
-    s.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds the job may run once started; past it, it fails (default: no limit)",
-    )
-    s.add_argument(
-        "--ttl",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds the job may wait in the queue; past it, it fails (default: no limit)",
-    )
+    for name, flag, kw in flags(GenerationRequest):
+        if name == "timeout":  # where --help has always listed the output switches
+            _output_switches(s)
+        s.add_argument(flag, **kw)
     _wait_arg(s, "the streamed job's end")
     s.add_argument(
         "--cancel-on-exit",
@@ -97,22 +58,23 @@ def add_submit(sub: Any, parents: Parents) -> None:
         help="with --stream: cancel the job when this command stops before its end "
         "(Ctrl-C, --wait passed); without it the job goes on (default: off)",
     )
-    s.set_defaults(run=run_submit)
 
 
-def add_status(sub: Any, parents: Parents) -> None:
-    s = sub.add_parser(
-        "status",
-        parents=parents,
-        help="one job's status, queue, attempts, worker, timings, failure reason",
+def _output_switches(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--chat", action="store_true", help="send the prompt as one user message (default: off)"
     )
+    s.add_argument(
+        "--stream", action="store_true", help="stream the text as it is made (default: off)"
+    )
+
+
+def add_status(s: argparse.ArgumentParser) -> None:
     s.add_argument("id", help="the job's id")
     s.add_argument("--json", action="store_true", help="print JSON (default: off)")
-    s.set_defaults(run=run_status)
 
 
-def add_result(sub: Any, parents: Parents) -> None:
-    s = sub.add_parser("result", parents=parents, help="wait for one job's end and print its text")
+def add_result(s: argparse.ArgumentParser) -> None:
     s.add_argument("id", help="the job's id")
     s.add_argument(
         "--json",
@@ -120,26 +82,19 @@ def add_result(sub: Any, parents: Parents) -> None:
         help="print text, token ids, finish reason and usage as JSON (default: off)",
     )
     _wait_arg(s, "the job's end")
-    s.set_defaults(run=run_result)
 
 
-def add_stream(sub: Any, parents: Parents) -> None:
-    s = sub.add_parser(
-        "stream", parents=parents, help="print one job's text, live or replayed, until its end"
-    )
+def add_stream(s: argparse.ArgumentParser) -> None:
     s.add_argument("id", help="the job's id")
     _wait_arg(s, "the job's end")
-    s.set_defaults(run=run_stream, cancel_on_exit=False)
+    s.set_defaults(cancel_on_exit=False)
 
 
-def add_cancel(sub: Any, parents: Parents) -> None:
-    s = sub.add_parser("cancel", parents=parents, help="cancel jobs, queued or running")
+def add_cancel(s: argparse.ArgumentParser) -> None:
     s.add_argument("ids", nargs="+", metavar="ID", help="the jobs' ids")
-    s.set_defaults(run=run_cancel)
 
 
-def add_jobs(sub: Any, parents: Parents) -> None:
-    s = sub.add_parser("jobs", parents=parents, help="recent jobs with status and age")
+def add_jobs(s: argparse.ArgumentParser) -> None:
     s.add_argument("--queue", default=None, help="only this queue's jobs (default: every queue)")
     s.add_argument(
         "--status",
@@ -149,7 +104,20 @@ def add_jobs(sub: Any, parents: Parents) -> None:
     )
     s.add_argument("--limit", type=int, default=20, help="most jobs listed (default: %(default)s)")
     s.add_argument("--json", action="store_true", help="print JSON (default: off)")
-    s.set_defaults(run=run_jobs)
+
+
+def add_info(i: argparse.ArgumentParser) -> None:
+    i.add_argument("--json", action="store_true", help="print JSON (default: off)")
+    i.add_argument(
+        "--watch", action="store_true", help="refresh in place until Ctrl-C (default: off)"
+    )
+    i.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="with --watch: seconds between refreshes (default: %(default)s)",
+    )
 
 
 # -- running them ----------------------------------------------------------------------
@@ -165,17 +133,7 @@ def _prompt(arg: str) -> str:
 def run_submit(args: argparse.Namespace) -> int:
     prompt = _prompt(args.prompt)
     with Client(args.redis_url, queue=args.queue) as client:
-        kw: dict[str, Any] = dict(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            stop=args.stop,
-            timeout=args.timeout,
-            ttl=args.ttl,
-        )
+        kw = {name: getattr(args, name) for name, _, _ in flags(GenerationRequest)}
         if args.chat:
             job = client.submit(messages=[{"role": "user", "content": prompt}], **kw)
         else:
@@ -321,3 +279,31 @@ def run_jobs(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs", file=sys.stderr)
     return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    conn = connect(args.redis_url)
+
+    def warn(msg: str) -> None:
+        print(f"mlxq: warning: {msg}", file=sys.stderr)
+
+    if not args.watch:
+        doc = collect(conn, warn)
+        if args.json:
+            print(json.dumps(doc, indent=2))
+        else:
+            Console().print(render(doc))
+        return 0
+    if args.interval <= 0:
+        raise ValueError(f"--interval={args.interval!r}: must be > 0")
+    try:
+        if args.json:  # one document per line, for scripts
+            while True:
+                print(json.dumps(collect(conn, warn)), flush=True)
+                time.sleep(args.interval)
+        with Live(render(collect(conn, warn)), auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(render(collect(conn, warn)), refresh=True)
+    except KeyboardInterrupt:
+        return 0

@@ -1,4 +1,11 @@
-"""Every exception mlxq raises on purpose, in one place."""
+"""Every exception the producer side raises on purpose, in one place.
+
+Two kinds live elsewhere, with the layer that raises them: the worker's own (a lost
+lease) in :mod:`mlxq.worker.errors`, and the gateway's HTTP answers
+(:class:`~mlxq.producer.gateway.errors.APIError`, which needs Starlette) in
+:mod:`mlxq.producer.gateway.errors`. The modules that raised the ones below before
+they moved here re-export them, so ``from mlxq.producer.client import QueueFull`` works.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +41,11 @@ class JobFailed(MlxqError):
         self.reason = reason
 
 
+class StreamGap(JobFailed):
+    """The job ended, but its log lacks chunks this listener never saw (lost to a Redis
+    without persistence, or refused): the text would be wrong, so it is not given."""
+
+
 class JobTimeout(MlxqError, TimeoutError):
     """Waiting on a job (stream or result) took longer than the caller allowed."""
 
@@ -52,3 +64,18 @@ class InvalidRequest(PayloadError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class QueueFull(MlxqError):
+    """The queue holds ``max_queued`` jobs already; try later."""
+
+
+class BatchLocked(MlxqError):
+    """Another ``mlxq run-batch`` run is writing the same output file."""
+
+
+class Interrupted(Exception):
+    """A stop was asked for while a sweep's Redis call was being retried.
+
+    Not an :class:`MlxqError`: the sweep catches it to end cleanly; it never reaches a user.
+    """

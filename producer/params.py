@@ -3,20 +3,26 @@
 A producer validates before anything reaches Redis; the worker validates again
 what it reads back, because a rogue producer can write Redis directly. Both go
 through :meth:`GenerationRequest.from_payload`, so the two can never disagree.
+
+:class:`GenerationRequest` is the one list of request fields: each of its fields, and each
+field of its :class:`SamplingParams` and :class:`~mlxq.producer.logits_params.LogitsParams`,
+declares its submit keyword, payload key and ``mlxq submit`` flag
+(:mod:`mlxq.producer.fields`). A new option is one field here plus its docs
+(:meth:`Client.submit`'s docstring).
 """
 
 from __future__ import annotations
 
-import math
-import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from mlxq.batching.logits_params import NOTHING, LogitsParams
 from mlxq.producer.errors import PayloadError
+from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
+from mlxq.producer.logits_params import LogitsParams
+from mlxq.producer.validate import bad, integer, number, text
 
 PAYLOAD_VERSION = 1
 #: Default cap on ``max_tokens``; a Client or worker may set its own.
@@ -38,15 +44,7 @@ MAX_N = 16
 #: Most alternatives per position ``top_logprobs`` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 #: The LogitsParams fields a payload carries as plain values.
-LOGITS_FIELDS = (
-    "repetition_penalty",
-    "repetition_context_size",
-    "presence_penalty",
-    "presence_context_size",
-    "frequency_penalty",
-    "frequency_context_size",
-    "min_tokens",
-)
+LOGITS_FIELDS = tuple(s.name for s in specs(LogitsParams) if s.option.encode is None)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 #: The keys a chat message may carry: OpenAI's, less those needing tools or images.
 MESSAGE_KEYS = frozenset({"role", "content", "name"})
@@ -57,55 +55,18 @@ MAX_NAME_CHARS = 64
 ParamKey = tuple[float, float, int, float]
 
 
-#: How much of a bad value an error message shows (any depth, any size: bounded).
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 80, 80, 40
-
-
-def _bad(name: str, value: Any, why: str) -> PayloadError:
-    return PayloadError(f"{name}={_SHORT.repr(value)}: {why}")
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(name, value, "must be a number")
-    try:
-        f = float(value)
-    except OverflowError:
-        raise _bad(name, value, "too large") from None
-    if not math.isfinite(f):
-        raise _bad(name, value, "must be finite")
-    return f
-
-
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _bad(name, value, "must be a string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _bad(name, value, f"not valid Unicode text ({e.reason})") from None
-    return value
-
-
 def _metadata(value: Any) -> dict[str, Any]:
     # Checked by a msgpack round trip: what passes here is exactly what the worker reads back.
     if not isinstance(value, Mapping):
-        raise _bad("metadata", value, "must be a map with string keys")
+        raise bad("metadata", value, "must be a map with string keys")
     try:
         packed = msgpack.packb(dict(value), use_bin_type=True)
         out = msgpack.unpackb(packed, raw=False, strict_map_key=True)
     except (TypeError, ValueError, OverflowError) as e:
-        raise _bad("metadata", value, f"must be msgpack data with string keys ({e})") from None
+        raise bad("metadata", value, f"must be msgpack data with string keys ({e})") from None
     if len(packed) > MAX_METADATA_BYTES:
-        raise _bad("metadata", f"<{len(packed)} bytes>", f"at most {MAX_METADATA_BYTES} bytes")
+        raise bad("metadata", f"<{len(packed)} bytes>", f"at most {MAX_METADATA_BYTES} bytes")
     return dict(out)
-
-
-def _integer(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, value, "must be an integer")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,26 +86,41 @@ class SamplingParams:
         PayloadError: (a ``ValueError``) naming the field and the bad value.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: float = field(
+        default=0.0,
+        metadata=flag("0 is greedy (default: %(default)s)", type=float),
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata=flag("nucleus mass; 1 disables (default: %(default)s)", type=float),
+    )
+    top_k: int = field(
+        default=0,
+        metadata=flag("keep the k likeliest; 0 disables (default: %(default)s)", type=int),
+    )
+    min_p: float = field(
+        default=0.0,
+        metadata=flag("relative floor; 0 disables (default: %(default)s)", type=float),
+    )
+    seed: int | None = field(
+        default=None,
+        metadata=flag("per-job seed (default: none, unseeded)", type=int),
+    )
 
     def __post_init__(self) -> None:
-        t = _number("temperature", self.temperature)
+        t = number("temperature", self.temperature)
         if t < 0:
-            raise _bad("temperature", self.temperature, "must be >= 0")
-        p = _number("top_p", self.top_p)
+            raise bad("temperature", self.temperature, "must be >= 0")
+        p = number("top_p", self.top_p)
         if not 0 < p <= 1:
-            raise _bad("top_p", self.top_p, "must be in (0, 1]")
-        if not 0 <= _integer("top_k", self.top_k) <= MAX_TOP_K:
-            raise _bad("top_k", self.top_k, f"must be in [0, {MAX_TOP_K}] (0 disables it)")
-        m = _number("min_p", self.min_p)
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not 0 <= integer("top_k", self.top_k) <= MAX_TOP_K:
+            raise bad("top_k", self.top_k, f"must be in [0, {MAX_TOP_K}] (0 disables it)")
+        m = number("min_p", self.min_p)
         if not 0 <= m <= 1:
-            raise _bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not 0 <= _integer("seed", self.seed) <= MAX_SEED:
-            raise _bad("seed", self.seed, f"must be in [0, {MAX_SEED}]")
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and not 0 <= integer("seed", self.seed) <= MAX_SEED:
+            raise bad("seed", self.seed, f"must be in [0, {MAX_SEED}]")
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_p", p)
         object.__setattr__(self, "min_p", m)
@@ -165,40 +141,40 @@ def _content(name: str, value: Any) -> str:
     """A message's content: a string, or OpenAI's list of text parts, joined as mlx-lm's
     server joins them (no separator)."""
     if isinstance(value, str):
-        return _text(name, value)
+        return text(name, value)
     if not isinstance(value, Sequence) or isinstance(value, bytes) or not value:
-        raise _bad(name, value, "must be a string or a non-empty list of text parts")
+        raise bad(name, value, "must be a string or a non-empty list of text parts")
     if len(value) > MAX_MESSAGES:
-        raise _bad(name, f"<{len(value)} parts>", f"at most {MAX_MESSAGES}")
+        raise bad(name, f"<{len(value)} parts>", f"at most {MAX_MESSAGES}")
     texts = []
     for j, part in enumerate(value):
         where = f"{name}[{j}]"
         if not isinstance(part, Mapping) or set(part) != {"type", "text"}:
-            raise _bad(where, part, "must be a map with exactly 'type' and 'text'")
+            raise bad(where, part, "must be a map with exactly 'type' and 'text'")
         if part["type"] != "text":
-            raise _bad(f"{where}.type", part["type"], "only 'text' parts are supported")
-        texts.append(_text(f"{where}.text", part["text"]))
+            raise bad(f"{where}.type", part["type"], "only 'text' parts are supported")
+        texts.append(text(f"{where}.text", part["text"]))
     return "".join(texts)
 
 
 def _messages(value: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
-        raise _bad("messages", value, "must be a non-empty list of {role, content} maps")
+        raise bad("messages", value, "must be a non-empty list of {role, content} maps")
     if len(value) > MAX_MESSAGES:
-        raise _bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
+        raise bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or not {"role", "content"} <= set(m) <= MESSAGE_KEYS:
-            raise _bad(
+            raise bad(
                 f"messages[{i}]", m, "must be a map with 'role' and 'content' (and optional 'name')"
             )
         if not isinstance(m["role"], str) or m["role"] not in ROLES:
-            raise _bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
+            raise bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
         msg = {"role": m["role"], "content": _content(f"messages[{i}].content", m["content"])}
         if "name" in m:
             if not isinstance(m["name"], str) or not 0 < len(m["name"]) <= MAX_NAME_CHARS:
-                raise _bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
-            msg["name"] = _text(f"messages[{i}].name", m["name"])
+                raise bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
+            msg["name"] = text(f"messages[{i}].name", m["name"])
         out.append(msg)
     return tuple(out)
 
@@ -207,194 +183,13 @@ def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, Sequence) or isinstance(value, bytes):
-        raise _bad("stop", value, "must be a string or a list of strings")
+        raise bad("stop", value, "must be a string or a list of strings")
     if len(value) > MAX_STOP_STRINGS:
-        raise _bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
+        raise bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
     for s in value:
-        if not isinstance(s, str) or not 0 < len(_text("stop", s)) <= MAX_STOP_CHARS:
-            raise _bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
+        if not isinstance(s, str) or not 0 < len(text("stop", s)) <= MAX_STOP_CHARS:
+            raise bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
     return tuple(value)
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """One generation job: the input, how long, how to sample.
-
-    Exactly one of ``prompt`` (raw text, tokenized as is) and ``messages`` (chat,
-    rendered through the model's chat template) is set. ``timeout`` bounds the
-    seconds a job may run, ``ttl`` the seconds it may wait in the queue; past
-    either it fails with a reason that says which.
-
-    Raises:
-        PayloadError: (a ``ValueError``) naming the field and the bad value.
-    """
-
-    prompt: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-    max_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    metadata: dict[str, Any] | None = None
-    timeout: float | None = None
-    ttl: float | None = None
-    max_tokens_cap: int = MAX_TOKENS_CAP
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
-    logits: LogitsParams | None = None
-
-    def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise _bad("prompt", self.prompt, "give exactly one of prompt and messages")
-        if self.prompt is not None:
-            if not _text("prompt", self.prompt):
-                raise _bad("prompt", self.prompt, "must not be empty")
-            chars = len(self.prompt)
-        else:
-            object.__setattr__(self, "messages", _messages(self.messages))
-            chars = sum(len(m["content"]) for m in self.messages or ())
-        if chars > MAX_PROMPT_CHARS:
-            raise _bad("prompt", f"<{chars} characters>", f"at most {MAX_PROMPT_CHARS}")
-        cap = _integer("max_tokens_cap", self.max_tokens_cap)
-        if not 1 <= _integer("max_tokens", self.max_tokens) <= cap:
-            raise _bad("max_tokens", self.max_tokens, f"must be in [1, {cap}]")
-        if not isinstance(self.sampling, SamplingParams):
-            raise _bad("sampling", self.sampling, "must be SamplingParams")
-        object.__setattr__(self, "stop", _stop(self.stop))
-        for name in ("timeout", "ttl"):
-            value = getattr(self, name)
-            if value is not None:
-                v = _number(name, value)
-                if not 0 < v <= MAX_DEADLINE_S:
-                    raise _bad(name, value, f"must be in (0, {MAX_DEADLINE_S:.0f}] seconds")
-                object.__setattr__(self, name, v)
-        if self.metadata is not None:
-            object.__setattr__(self, "metadata", _metadata(self.metadata))
-        self._check_samples()
-
-    def _check_samples(self) -> None:
-        if not 1 <= _integer("n", self.n) <= MAX_N:
-            raise _bad("n", self.n, f"must be in [1, {MAX_N}]")
-        if not isinstance(self.logprobs, bool):
-            raise _bad("logprobs", self.logprobs, "must be true or false")
-        if not 0 <= _integer("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
-            raise _bad("top_logprobs", self.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
-        if self.top_logprobs and not self.logprobs:
-            raise _bad("top_logprobs", self.top_logprobs, "needs logprobs=True")
-        if self.logits is not None and not isinstance(self.logits, LogitsParams):
-            raise _bad("logits", self.logits, "must be LogitsParams")
-        if self.logits is not None and not (self.logits.active or self.logits.stop_token_ids):
-            object.__setattr__(self, "logits", None)
-
-    @property
-    def choice_seeds(self) -> list[int | None]:
-        """Each choice's seed: the job's seed plus the choice's index (None: unseeded)."""
-        seed = self.sampling.seed
-        return [None if seed is None else (seed + i) % (MAX_SEED + 1) for i in range(self.n)]
-
-    def to_payload(self) -> dict[str, Any]:
-        """The msgpack-ready map stored as the rq job's only argument."""
-        s = self.sampling
-        return {
-            "v": PAYLOAD_VERSION,
-            "prompt": self.prompt,
-            "messages": list(self.messages) if self.messages is not None else None,
-            "max_tokens": self.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "min_p": s.min_p,
-            "seed": s.seed,
-            "stop": list(self.stop),
-            "metadata": dict(self.metadata) if self.metadata is not None else None,
-            "timeout": self.timeout,
-            "ttl": self.ttl,
-            **self._extras(),
-        }
-
-    def _extras(self) -> dict[str, Any]:
-        # Written only when set, so a job asking for none of them reads as before.
-        out: dict[str, Any] = {}
-        if self.n != 1:
-            out["n"] = self.n
-        if self.logprobs:
-            out["logprobs"], out["top_logprobs"] = True, self.top_logprobs
-        lp = self.logits
-        if lp is not None:
-            for name in LOGITS_FIELDS:
-                value = getattr(lp, name)
-                if value != getattr(NOTHING, name):
-                    out[name] = value
-            if lp.logit_bias:
-                out["logit_bias"] = [[k, v] for k, v in lp.logit_bias.items()]
-            if lp.stop_token_ids:
-                out["stop_token_ids"] = list(lp.stop_token_ids)
-        return out
-
-    @classmethod
-    def from_payload(
-        cls, payload: Any, *, max_tokens_cap: int = MAX_TOKENS_CAP
-    ) -> GenerationRequest:
-        """Check a payload read back from Redis; the inverse of :meth:`to_payload`.
-
-        Raises:
-            PayloadError: on anything but a well-formed version-1 payload.
-        """
-        if not isinstance(payload, Mapping):
-            raise _bad("payload", payload, "must be a map")
-        v = payload.get("v")
-        if type(v) is not int or v != PAYLOAD_VERSION:
-            raise _bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
-        known = {
-            "v",
-            "prompt",
-            "messages",
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "stop",
-            "metadata",
-            "timeout",
-            "ttl",
-            "n",
-            "logprobs",
-            "top_logprobs",
-            "logit_bias",
-            "stop_token_ids",
-            *LOGITS_FIELDS,
-        }
-        unknown = sorted(str(k) for k in payload if k not in known)
-        if unknown:
-            raise _bad("payload", unknown, "unknown fields")
-        sampling = SamplingParams(
-            temperature=payload.get("temperature", 0.0),
-            top_p=payload.get("top_p", 1.0),
-            top_k=payload.get("top_k", 0),
-            min_p=payload.get("min_p", 0.0),
-            seed=payload.get("seed"),
-        )
-        return cls(
-            prompt=payload.get("prompt"),
-            messages=payload.get("messages"),
-            max_tokens=payload.get("max_tokens", 256),
-            sampling=sampling,
-            stop=() if payload.get("stop") is None else payload["stop"],
-            metadata=payload.get("metadata"),
-            timeout=payload.get("timeout"),
-            ttl=payload.get("ttl"),
-            max_tokens_cap=max_tokens_cap,
-            n=payload.get("n", 1),
-            logprobs=payload.get("logprobs", False),
-            top_logprobs=payload.get("top_logprobs", 0),
-            logits=logits_params(
-                **{k: payload[k] for k in LOGITS_FIELDS if k in payload},
-                logit_bias=_bias_pairs(payload.get("logit_bias")),
-                stop_token_ids=payload.get("stop_token_ids", ()),
-            ),
-        )
 
 
 def logits_params(**kw: Any) -> LogitsParams | None:
@@ -410,10 +205,180 @@ def logits_params(**kw: Any) -> LogitsParams | None:
     return lp if lp.active or lp.stop_token_ids else None
 
 
-def _bias_pairs(value: Any) -> Any:
-    # logit_bias travels as [[id, bias], ...] (msgpack maps need string keys here).
-    if value is None or isinstance(value, Mapping):
-        return value
-    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-        raise _bad("logit_bias", value, "must be a map of token id to bias")
-    return {k: v for k, v in value}
+def _maybe(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else convert(v)
+
+
+def _strings(value: Any) -> tuple[Any, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _or_empty(value: Any) -> Any:
+    return () if value is None else value
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation job: the input, how long, how to sample.
+
+    Exactly one of ``prompt`` (raw text, tokenized as is) and ``messages`` (chat,
+    rendered through the model's chat template) is set. ``timeout`` bounds the
+    seconds a job may run, ``ttl`` the seconds it may wait in the queue; past
+    either it fails with a reason that says which.
+
+    Raises:
+        PayloadError: (a ``ValueError``) naming the field and the bad value.
+    """
+
+    prompt: str | None = field(default=None, metadata=option())
+    messages: tuple[dict[str, str], ...] | None = field(
+        default=None, metadata=option(given=_maybe(tuple), encode=_maybe(list))
+    )
+    max_tokens: int = field(
+        default=256,
+        metadata=flag("most tokens to generate (default: %(default)s)", type=int),
+    )
+    sampling: SamplingParams = field(default_factory=SamplingParams, metadata=group(SamplingParams))
+    stop: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            given=_strings,
+            encode=list,
+            decode=_or_empty,
+            cli=dict(action="append", default=[], help="stop string, repeatable (default: none)"),
+        ),
+    )
+    metadata: dict[str, Any] | None = field(
+        default=None, metadata=option(given=_maybe(dict), encode=_maybe(dict))
+    )
+    timeout: float | None = field(
+        default=None,
+        metadata=flag(
+            "seconds the job may run once started; past it, it fails (default: no limit)",
+            type=float,
+            metavar="S",
+        ),
+    )
+    ttl: float | None = field(
+        default=None,
+        metadata=flag(
+            "seconds the job may wait in the queue; past it, it fails (default: no limit)",
+            type=float,
+            metavar="S",
+        ),
+    )
+    max_tokens_cap: int = MAX_TOKENS_CAP
+    # Written only when set, so a job asking for none of these reads as before them.
+    n: int = field(default=1, metadata=option(sparse=True))
+    logprobs: bool = field(default=False, metadata=option(sparse=True))
+    top_logprobs: int = field(default=0, metadata=option(rides_with="logprobs"))
+    logits: LogitsParams | None = field(
+        default=None, metadata=group(LogitsParams, build=logits_params)
+    )
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad("prompt", self.prompt, "give exactly one of prompt and messages")
+        if self.prompt is not None:
+            if not text("prompt", self.prompt):
+                raise bad("prompt", self.prompt, "must not be empty")
+            chars = len(self.prompt)
+        else:
+            object.__setattr__(self, "messages", _messages(self.messages))
+            chars = sum(len(m["content"]) for m in self.messages or ())
+        if chars > MAX_PROMPT_CHARS:
+            raise bad("prompt", f"<{chars} characters>", f"at most {MAX_PROMPT_CHARS}")
+        cap = integer("max_tokens_cap", self.max_tokens_cap)
+        if not 1 <= integer("max_tokens", self.max_tokens) <= cap:
+            raise bad("max_tokens", self.max_tokens, f"must be in [1, {cap}]")
+        if not isinstance(self.sampling, SamplingParams):
+            raise bad("sampling", self.sampling, "must be SamplingParams")
+        object.__setattr__(self, "stop", _stop(self.stop))
+        for name in ("timeout", "ttl"):
+            value = getattr(self, name)
+            if value is not None:
+                v = number(name, value)
+                if not 0 < v <= MAX_DEADLINE_S:
+                    raise bad(name, value, f"must be in (0, {MAX_DEADLINE_S:.0f}] seconds")
+                object.__setattr__(self, name, v)
+        if self.metadata is not None:
+            object.__setattr__(self, "metadata", _metadata(self.metadata))
+        self._check_samples()
+
+    def _check_samples(self) -> None:
+        if not 1 <= integer("n", self.n) <= MAX_N:
+            raise bad("n", self.n, f"must be in [1, {MAX_N}]")
+        if not isinstance(self.logprobs, bool):
+            raise bad("logprobs", self.logprobs, "must be true or false")
+        if not 0 <= integer("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", self.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise bad("top_logprobs", self.top_logprobs, "needs logprobs=True")
+        if self.logits is not None and not isinstance(self.logits, LogitsParams):
+            raise bad("logits", self.logits, "must be LogitsParams")
+        if self.logits is not None and not (self.logits.active or self.logits.stop_token_ids):
+            object.__setattr__(self, "logits", None)
+
+    @property
+    def choice_seeds(self) -> list[int | None]:
+        """Each choice's seed: the job's seed plus the choice's index (None: unseeded)."""
+        seed = self.sampling.seed
+        return [None if seed is None else (seed + i) % (MAX_SEED + 1) for i in range(self.n)]
+
+    def to_payload(self) -> dict[str, Any]:
+        """The msgpack-ready map stored as the rq job's only argument."""
+        return {"v": PAYLOAD_VERSION, **encode(self)}
+
+    @classmethod
+    def from_arguments(
+        cls, arguments: Mapping[str, Any], *, max_tokens_cap: int = MAX_TOKENS_CAP
+    ) -> GenerationRequest:
+        """The request :meth:`Client.submit`'s keyword ``arguments`` ask for (their names
+        already checked, see :func:`check_names`).
+
+        Raises:
+            TypeError: an argument of the wrong shape to convert (``stop=5``).
+            PayloadError: naming the field and the bad value.
+        """
+        values = given(cls, arguments)
+        request: GenerationRequest = assemble(cls, values, max_tokens_cap=max_tokens_cap)
+        return request
+
+    @classmethod
+    def from_payload(
+        cls, payload: Any, *, max_tokens_cap: int = MAX_TOKENS_CAP
+    ) -> GenerationRequest:
+        """Check a payload read back from Redis; the inverse of :meth:`to_payload`.
+
+        Raises:
+            PayloadError: on anything but a well-formed version-1 payload.
+        """
+        if not isinstance(payload, Mapping):
+            raise bad("payload", payload, "must be a map")
+        v = payload.get("v")
+        if type(v) is not int or v != PAYLOAD_VERSION:
+            raise bad("v", payload.get("v"), f"unsupported version (want {PAYLOAD_VERSION})")
+        unknown = sorted(str(k) for k in payload if k != "v" and k not in PAYLOAD_KEYS)
+        if unknown:
+            raise bad("payload", unknown, "unknown fields")
+        request: GenerationRequest = assemble(
+            cls, decoded(cls, payload), max_tokens_cap=max_tokens_cap
+        )
+        return request
+
+
+#: Every option's name, as a payload key.
+PAYLOAD_KEYS = frozenset(s.name for s in specs(GenerationRequest))
+#: The keyword arguments :meth:`Client.submit` takes.
+SUBMIT_OPTIONS = frozenset(s.name for s in specs(GenerationRequest) if s.option.submit)
+
+
+def check_names(names: Iterable[str], caller: str) -> None:
+    """Refuse a keyword that is no submit option, as Python refuses one.
+
+    Raises:
+        TypeError: ``"{caller} got an unexpected keyword argument 'name'"``.
+    """
+    for name in names:
+        if name not in SUBMIT_OPTIONS:
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}")

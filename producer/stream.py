@@ -28,6 +28,7 @@ from typing import Any
 
 from mlxq.producer.codec import Chunk, decode_chunk, decode_message, first_seq
 from mlxq.producer.errors import JobFailed, JobTimeout, NoSuchJob, PayloadError
+from mlxq.producer.errors import StreamGap as StreamGap
 
 log = logging.getLogger("mlxq.producer")
 
@@ -36,11 +37,6 @@ POLL_S = 0.5
 TERMINAL = frozenset({"finished", "failed", "canceled"})
 
 READ_LOG, WAIT, STATUS, END, DONE = "read_log", "wait", "status", "end", "done"
-
-
-class StreamGap(JobFailed):
-    """The job ended, but its log lacks chunks this listener never saw (lost to a Redis
-    without persistence, or refused): the text would be wrong, so it is not given."""
 
 
 class StreamCursor:

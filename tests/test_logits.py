@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import LogitsRows, apply
-from mlxq.batching.logits_params import LogitsParams as LP
+from mlxq.producer.logits_params import LogitsParams as LP
 
 DTYPES = [mx.float32, mx.bfloat16, mx.float16]
 EOS = (2,)

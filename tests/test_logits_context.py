@@ -17,7 +17,7 @@ import pytest
 
 from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import LogitsRows, apply
-from mlxq.batching.logits_params import LogitsParams
+from mlxq.producer.logits_params import LogitsParams
 
 mlx_lm = pytest.importorskip("mlx_lm")
 from mlx_lm.generate import BatchGenerator  # noqa: E402

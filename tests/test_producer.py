@@ -25,6 +25,21 @@ def test_producer_imports_no_mlx():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_submit_imports_neither_the_worker_nor_mlx():
+    # The entry loads only the chosen command's module, as mlx-lm's does.
+    code = (
+        "import contextlib, io, sys\n"
+        "from mlxq.producer.cli import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['submit', '--help'])\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')\n"
+        "       or m == 'mlxq.worker' or m.startswith('mlxq.worker.')]\n"
+        "assert not bad, bad\n"
+        "assert 'mlxq.producer.commands' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_worker_without_mlx_says_what_to_install():
     # Hide MLX from this interpreter, as on a producer-only install.
     code = (

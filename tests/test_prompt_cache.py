@@ -87,7 +87,7 @@ def test_choices_penalties_and_logprobs_are_the_same_with_and_without_the_cache(
     """What reads a row's whole prompt beyond its cache: n seeded choices of one prompt
     (its prefix prefilled once for all), penalties over the prompt's tokens, a logit bias
     and top log-probs; with a hit, the cached part of the prompt is still counted."""
-    from mlxq.batching.logits_params import LogitsParams
+    from mlxq.producer.logits_params import LogitsParams
 
     def reqs() -> list[GenerationRequest]:
         return [

@@ -52,6 +52,12 @@ def _bytes_or_auto(text: str) -> int | None:
     return n
 
 
+def add_worker(p: argparse.ArgumentParser) -> None:
+    """``mlxq worker``'s description and arguments."""
+    p.description = WORKER_DESCRIPTION
+    add_worker_arguments(p)
+
+
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="mlx-lm model path or Hugging Face repo id")
     # The environment's URL is read at run time, never shown: it may hold a password.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import uuid
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 
 from mlxq.producer import keys
 from mlxq.producer.params import MAX_TOKENS_CAP
+from mlxq.producer.validate import integer_in, number_in
 
 #: 20 ms is short beside a single decode step of any real model, yet long enough that a
 #: burst of submits shares one prefill pass.
@@ -97,17 +97,17 @@ class WorkerConfig:
             raise ValueError(f"model={self.model!r}: give a model path or repo id")
         if not isinstance(self.queue, str) or not 0 < len(self.queue) <= 128:
             raise ValueError(f"queue={self.queue!r}: must be 1 to 128 characters")
-        _number("window_ms", self.window_ms, 0, 60_000)
-        _number("grace_s", self.grace_s, 0, 7 * 24 * 3600)
-        _number("stream_interval_ms", self.stream_interval_ms, 0, 10_000)
-        _integer("max_batch", self.max_batch, 1, 4096)
-        _integer("stream_ttl", self.stream_ttl, 1, keys.MAX_RECORD_TTL)
-        _integer("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
-        _integer("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
+        number_in("window_ms", self.window_ms, 0, 60_000)
+        number_in("grace_s", self.grace_s, 0, 7 * 24 * 3600)
+        number_in("stream_interval_ms", self.stream_interval_ms, 0, 10_000)
+        integer_in("max_batch", self.max_batch, 1, 4096)
+        integer_in("stream_ttl", self.stream_ttl, 1, keys.MAX_RECORD_TTL)
+        integer_in("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
+        integer_in("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
         if self.metrics_port is not None:
-            _integer("metrics_port", self.metrics_port, 0, 65535)
+            integer_in("metrics_port", self.metrics_port, 0, 65535)
         if self.prompt_cache_bytes is not None:
-            _integer("prompt_cache_bytes", self.prompt_cache_bytes, 0, 1 << 50)
+            integer_in("prompt_cache_bytes", self.prompt_cache_bytes, 0, 1 << 50)
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ValueError(f"metrics_host={self.metrics_host!r}: give an address to bind")
         if self.name is None:
@@ -118,19 +118,3 @@ class WorkerConfig:
     @property
     def worker_name(self) -> str:
         return self.name or ""
-
-
-def _number(name: str, value: object, lo: float, hi: float) -> None:
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and lo <= value <= hi
-    )
-    if not ok:
-        raise ValueError(f"{name}={value!r}: must be a number in [{lo:g}, {hi:g}]")
-
-
-def _integer(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}]")

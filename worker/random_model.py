@@ -13,7 +13,6 @@ read the result like any checkpoint.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, cast
@@ -25,12 +24,12 @@ from mlx_lm.models.llama import Model, ModelArgs
 from tokenizers import AddedToken, Tokenizer
 
 from mlxq.worker.tiny import (
-    CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,
     MAX_SEED,
     _global_rng_restored,
     train_tokenizer,
+    write_checkpoint,
 )
 
 #: Model dims per shape: 0.5b and 1.5b are Qwen2.5's (without its qkv bias).
@@ -177,10 +176,6 @@ def random_model(
     return model
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_bytes((json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
-
-
 def _check_args(shape: str, bits: int | None, dtype: str, seed: int, logit_std: float) -> None:
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}: must be one of {', '.join(SHAPES)}")
@@ -245,30 +240,6 @@ def build_random_model(
         config["eos_reachable"] = False  # read by nothing but whoever reuses the directory
     model = random_model(config, seed, float(logit_std), eos_reachable)
     weights = dict(cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
-    # Sorted keys keep the safetensors header, and so the file, stable.
-    mx.save_safetensors(
-        str(out / "model.safetensors"),
-        {name: weights[name] for name in sorted(weights)},
-        metadata={"format": "mlx"},
-    )
-    (out / "tokenizer.json").write_bytes(tokenizer.to_str(pretty=False).encode("utf-8"))
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
-    )
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": ENDOFTEXT,
-            "eos_token": IM_END,
-            "pad_token": ENDOFTEXT,
-            "unk_token": None,
-            "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False,  # keeps decode an exact round trip
-            "model_max_length": COMMON["max_position_embeddings"],
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
+    # Unindented: a 151,936-token vocabulary makes an indented tokenizer.json large.
+    write_checkpoint(out, weights, tokenizer, config, pretty=False)
     return out

@@ -149,6 +149,48 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_bytes((json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
+def write_checkpoint(
+    out: Path,
+    weights: dict[str, mx.array],
+    tokenizer: Tokenizer,
+    config: dict[str, Any],
+    *,
+    pretty: bool = True,
+) -> None:
+    """Write a checkpoint in the Hugging Face layout that ``mlx_lm.load`` reads, with this
+    module's chat template: ``config.json``, ``generation_config.json``,
+    ``model.safetensors``, ``tokenizer.json`` (indented when ``pretty``) and
+    ``tokenizer_config.json``, into the existing directory ``out``."""
+    # Sorted keys keep the safetensors header, and so the file, stable.
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        {name: weights[name] for name in sorted(weights)},
+        metadata={"format": "mlx"},
+    )
+    (out / "tokenizer.json").write_bytes(tokenizer.to_str(pretty=pretty).encode("utf-8"))
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    )
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": ENDOFTEXT,
+            "eos_token": IM_END,
+            "pad_token": ENDOFTEXT,
+            "unk_token": None,
+            "add_prefix_space": False,
+            # Its "cleanup" deletes spaces before punctuation, which would
+            # break exact round-trips.
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": config["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+
+
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Write a tiny random-weight Llama checkpoint that ``mlx_lm.load`` accepts.
 
@@ -181,34 +223,5 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
 
     tokenizer = train_tokenizer()
     config = model_config(tokenizer)
-    weights = init_weights(config, seed)
-
-    # Sorted keys keep the safetensors header, and so the file, stable.
-    mx.save_safetensors(
-        str(out / "model.safetensors"),
-        {name: weights[name] for name in sorted(weights)},
-        metadata={"format": "mlx"},
-    )
-    (out / "tokenizer.json").write_bytes(tokenizer.to_str(pretty=True).encode("utf-8"))
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
-    )
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": ENDOFTEXT,
-            "eos_token": IM_END,
-            "pad_token": ENDOFTEXT,
-            "unk_token": None,
-            "add_prefix_space": False,
-            # Its "cleanup" deletes spaces before punctuation, which would
-            # break exact round-trips.
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": MODEL_DIMS["max_position_embeddings"],
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
+    write_checkpoint(out, init_weights(config, seed), tokenizer, config)
     return out

@@ -18,7 +18,6 @@ from mlxq.producer.batch.config import (
 from mlxq.producer.batch.progress import PREFIX
 from mlxq.producer.batch.run import run_batch
 
-HELP = "run an OpenAI Batch file (JSON lines) through mlxq queues; resumable"
 DESCRIPTION = """\
 Run every line of an OpenAI Batch input file ({"custom_id", "method": "POST", "url":
 "/v1/chat/completions" | "/v1/completions", "body"}) as an mlxq job on the queue named by
@@ -30,7 +29,8 @@ are skipped, jobs submitted before a crash or Ctrl-C are collected, not submitte
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = DESCRIPTION
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keeps its lines as written
     p.add_argument("--input", "-i", required=True, type=Path, help="the batch file (JSONL)")
     p.add_argument(
         "--output",

@@ -19,13 +19,9 @@ from collections.abc import Callable, Container, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mlxq.producer.errors import MlxqError
+from mlxq.producer.errors import BatchLocked as BatchLocked
 
 log = logging.getLogger("mlxq.batch")
-
-
-class BatchLocked(MlxqError):
-    """Another run is writing the same output file."""
 
 
 def _encode(record: Mapping[str, Any]) -> bytes:

@@ -10,12 +10,9 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from mlxq.producer.connection import TRANSIENT, Outage, backoff
+from mlxq.producer.errors import Interrupted as Interrupted
 
 T = TypeVar("T")
-
-
-class Interrupted(Exception):
-    """A stop was asked for while a Redis call was being retried."""
 
 
 class StopFlag:

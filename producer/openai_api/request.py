@@ -11,19 +11,19 @@ Unknown fields are ignored, with one warning per field name per process.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
-from mlxq.producer.client import Client, build_request
+from mlxq.producer.client import build_request
 from mlxq.producer.errors import InvalidRequest, PayloadError
-from mlxq.producer.params import MAX_TOKENS_CAP
+from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
+from mlxq.producer.validate import integer_in, invalid, number_in
 
 log = logging.getLogger("mlxq.openai")
+T = TypeVar("T", int, float)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -50,19 +50,9 @@ _warned: set[str] = set()
 _PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.\w+)?)=")
 
 
-@cache
 def submit_supports(name: str) -> bool:
     """Whether this version's :meth:`Client.submit` takes keyword ``name``."""
-    return name in inspect.signature(Client.submit).parameters
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 200 else f"{text[:200]}..."
-
-
-def _bad(name: str, value: Any, why: str) -> InvalidRequest:
-    return InvalidRequest(f"{name}={_short(value)}: {why}", name)
+    return name in SUBMIT_OPTIONS
 
 
 def _ignore(name: str) -> None:
@@ -107,26 +97,15 @@ class OpenAIRequest:
 def _flag(body: Mapping[str, Any], name: str) -> bool:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
-        raise _bad(name, v, "must be a boolean")
+        raise invalid(name, v, "must be a boolean")
     return bool(v)
 
 
-def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+def _ranged(body: Mapping[str, Any], name: str, check: Callable[..., T], lo: T, hi: T) -> T | None:
+    """The body's field ``name`` through ``check`` (an ``integer_in`` or ``number_in``
+    answering in OpenAI's shape); None when absent."""
     v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise _bad(name, v, f"must be an integer in [{lo}, {hi}]")
-    return v
-
-
-def _float(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise _bad(name, v, f"must be a number in [{lo:g}, {hi:g}]")
-    return float(v)
+    return None if v is None else check(name, v, lo, hi, error=invalid)
 
 
 def _content(i: int, value: Any) -> Any:
@@ -138,20 +117,20 @@ def _content(i: int, value: Any) -> Any:
     for j, part in enumerate(value):
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else part
-            raise _bad(f"messages[{i}].content[{j}].type", kind, "only text parts are supported")
+            raise invalid(f"messages[{i}].content[{j}].type", kind, "only text parts are supported")
         if not isinstance(text := part.get("text"), str):
-            raise _bad(f"messages[{i}].content[{j}].text", text, "must be a string")
+            raise invalid(f"messages[{i}].content[{j}].text", text, "must be a string")
         texts.append(text)
     return "\n".join(texts)
 
 
 def _messages(value: Any) -> Any:
     if not isinstance(value, list) or not value:
-        raise _bad("messages", value, "must be a non-empty list of {role, content} objects")
+        raise invalid("messages", value, "must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or "role" not in m:
-            raise _bad(f"messages[{i}]", m, "must be an object with 'role' and 'content'")
+            raise invalid(f"messages[{i}]", m, "must be an object with 'role' and 'content'")
         for k in m:
             if k not in ("role", "content"):
                 _ignore(f"messages[].{k}")
@@ -162,10 +141,10 @@ def _messages(value: Any) -> Any:
 def _prompt(value: Any) -> Any:
     if isinstance(value, list):
         if len(value) != 1:
-            raise _bad("prompt", value, "send one prompt per request (a list of one string)")
+            raise invalid("prompt", value, "send one prompt per request (a list of one string)")
         value = value[0]
     if not isinstance(value, str):
-        raise _bad("prompt", value, "must be a string (token-id prompts are not supported)")
+        raise invalid("prompt", value, "must be a string (token-id prompts are not supported)")
     return value
 
 
@@ -173,15 +152,15 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     if value is None or value == {}:
         return None
     if not isinstance(value, Mapping):
-        raise _bad("logit_bias", value, "must be an object of token id -> bias")
+        raise invalid("logit_bias", value, "must be an object of token id -> bias")
     out = {}
     for k, b in value.items():
         try:
             tid = int(k)
         except (TypeError, ValueError):
-            raise _bad("logit_bias", k, "keys must be token ids (integers)") from None
+            raise invalid("logit_bias", k, "keys must be token ids (integers)") from None
         if tid < 0 or isinstance(b, bool) or not isinstance(b, (int, float)) or abs(b) > 100:
-            raise _bad(f"logit_bias[{k}]", b, "must be a number in [-100, 100] for id >= 0")
+            raise invalid(f"logit_bias[{k}]", b, "must be a number in [-100, 100] for id >= 0")
         out[tid] = float(b)
     return out
 
@@ -190,23 +169,25 @@ def _stop_token_ids(value: Any) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
-        raise _bad("stop_token_ids", value, f"must be a list of at most {MAX_STOP_TOKEN_IDS} ids")
+        raise invalid(
+            "stop_token_ids", value, f"must be a list of at most {MAX_STOP_TOKEN_IDS} ids"
+        )
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise _bad(f"stop_token_ids[{i}]", t, "must be a token id (an integer >= 0)")
+            raise invalid(f"stop_token_ids[{i}]", t, "must be a token id (an integer >= 0)")
     return list(value)
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     """Chat's ``logprobs`` (bool) + ``top_logprobs``, or completions' integer ``logprobs``."""
     if chat:
-        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        top = _ranged(body, "top_logprobs", integer_in, 0, MAX_TOP_LOGPROBS)
         if not _flag(body, "logprobs"):
             if top:
-                raise _bad("top_logprobs", top, "needs logprobs=true")
+                raise invalid("top_logprobs", top, "needs logprobs=true")
             return {}
     else:
-        top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        top = _ranged(body, "logprobs", integer_in, 0, MAX_TOP_LOGPROBS)
         if top is None:
             return {}
     return {"logprobs": True, "top_logprobs": top} if top else {"logprobs": True}
@@ -218,37 +199,37 @@ def _extras(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     Raises:
         InvalidRequest: one is set but this version's ``submit`` lacks it.
     """
-    n = _int(body, "n", 1, MAX_N) or 1
+    n = _ranged(body, "n", integer_in, 1, MAX_N) or 1
     extra: dict[str, Any] = {"n": n} if n != 1 else {}
     extra.update(_logprobs(body, chat))
     for name in ("presence_penalty", "frequency_penalty"):
-        if (v := _float(body, name, -2.0, 2.0)) not in (None, 0.0):
+        if (v := _ranged(body, name, number_in, -2.0, 2.0)) not in (None, 0.0):
             extra[name] = v
-    if (rep := _float(body, "repetition_penalty", 0.0, 10.0)) not in (None, 1.0):
+    if (rep := _ranged(body, "repetition_penalty", number_in, 0.0, 10.0)) not in (None, 1.0):
         if rep == 0.0:
-            raise _bad("repetition_penalty", rep, "must be > 0")
+            raise invalid("repetition_penalty", rep, "must be > 0")
         extra["repetition_penalty"] = rep
     if (bias := _logit_bias(body.get("logit_bias"))) is not None:
         extra["logit_bias"] = bias
-    if min_tokens := _int(body, "min_tokens", 0, MAX_TOKENS_CAP):
+    if min_tokens := _ranged(body, "min_tokens", integer_in, 0, MAX_TOKENS_CAP):
         extra["min_tokens"] = min_tokens
     if stop_ids := _stop_token_ids(body.get("stop_token_ids")):
         extra["stop_token_ids"] = stop_ids
     for name, v in extra.items():
         if not submit_supports(name):
             why = "not supported by this mlxq version (needs worker support)"
-            raise _bad(name, body.get(name, v), why)
+            raise invalid(name, body.get(name, v), why)
     return extra
 
 
 def _metadata(body: Mapping[str, Any]) -> Any:
     metadata, user = body.get("metadata"), body.get("user")
     if metadata is not None and not isinstance(metadata, Mapping):
-        raise _bad("metadata", metadata, "must be an object")
+        raise invalid("metadata", metadata, "must be an object")
     if user is None:
         return metadata
     if not isinstance(user, str):
-        raise _bad("user", user, "must be a string")
+        raise invalid("user", user, "must be a string")
     if metadata is None:
         return {"user": user}
     return metadata if "user" in metadata else {**metadata, "user": user}
@@ -259,9 +240,9 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
     if opts is None:
         return False
     if not stream:
-        raise _bad("stream_options", opts, "only allowed when stream is true")
+        raise invalid("stream_options", opts, "only allowed when stream is true")
     if not isinstance(opts, Mapping):
-        raise _bad("stream_options", opts, "must be an object")
+        raise invalid("stream_options", opts, "must be an object")
     for k in opts:
         if k != "include_usage":
             _ignore(f"stream_options.{k}")
@@ -279,7 +260,7 @@ def _stop(value: Any) -> Any:
     if value is None:
         return ()
     if not isinstance(value, (str, list)):
-        raise _bad("stop", value, "must be a string or a list of strings")
+        raise invalid("stop", value, "must be a string or a list of strings")
     return value
 
 
@@ -311,7 +292,9 @@ def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
             _ignore(str(k))
     model = body.get("model")
     if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS:
-        raise _bad("model", model, f"must name a queue: a string of 1 to {MAX_MODEL_CHARS} chars")
+        raise invalid(
+            "model", model, f"must name a queue: a string of 1 to {MAX_MODEL_CHARS} chars"
+        )
     if chat:
         if "messages" not in body:
             raise InvalidRequest("messages: required", "messages")

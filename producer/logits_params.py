@@ -2,16 +2,19 @@
 
 The names and meanings are mlx-lm's ``make_logits_processors`` arguments, plus
 vLLM's ``min_tokens`` and ``stop_token_ids``; the ranges are OpenAI's where it
-has one. :mod:`mlxq.batching.logits` turns a batch of these into arrays.
+has one. It lives with :class:`~mlxq.producer.params.SamplingParams`, in the contract
+both sides read; :mod:`mlxq.batching.logits` turns a batch of these into arrays.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from mlxq.producer.fields import option
+from mlxq.producer.validate import bad, integer_in, logit_number, token_id, value_error
 
 MAX_CONTEXT_SIZE = 4096
 #: OpenAI's ranges: presence/frequency in [-2, 2], bias values in [-100, 100].
@@ -23,32 +26,21 @@ MAX_MIN_TOKENS = 1 << 20
 MAX_STOP_TOKEN_IDS = 256
 
 
-def bad(name: str, value: Any, why: str) -> ValueError:
-    """The ValueError every check here raises: field, value, why."""
-    return ValueError(f"{name}={value!r}: {why}")
+def _bias_to_pairs(bias: Mapping[int, float]) -> list[list[Any]]:
+    # logit_bias travels as [[id, bias], ...] (msgpack maps need string keys here).
+    return [[k, v] for k, v in bias.items()]
 
 
-def _number(name: str, value: Any, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(name, value, "must be a number")
-    f = float(value)
-    if not (math.isfinite(f) and lo <= f <= hi):
-        raise bad(name, value, f"must be in [{lo}, {hi}]")
-    return f + 0.0  # -0.0 -> 0.0, so equal params compare equal
+def _bias_from_pairs(value: Any) -> Any:
+    if value is None or isinstance(value, Mapping):
+        return value
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise bad("logit_bias", value, "must be a map of token id to bias")
+    return {k: v for k, v in value}
 
 
-def _integer(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise bad(name, value, f"must be an integer in [{lo}, {hi}]")
-    return value
-
-
-def token_id(name: str, value: Any) -> int:
-    """A token id >= 0 (a decimal string is read as one)."""
-    # OpenAI's JSON bodies key logit_bias by decimal strings.
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        value = int(value)
-    return _integer(name, value, 0, 2**31 - 1)
+def _ids(value: Any) -> tuple[Any, ...]:
+    return () if value is None else tuple(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,49 +60,60 @@ class LogitsParams:
             time it occurs among the last ``frequency_context_size``.
         repetition_context_size, presence_context_size, frequency_context_size:
             In [1, 4096]; counted over prompt and generated tokens together.
-        logit_bias: Token id (int, or a decimal string as in OpenAI's JSON) to a
-            value in [-100, 100] added to its logit; at most 300 entries.
         min_tokens: Until the row has generated this many tokens, its
             ``stop_token_ids`` and the model's EOS ids get logit -inf.
+        logit_bias: Token id (int, or a decimal string as in OpenAI's JSON) to a
+            value in [-100, 100] added to its logit; at most 300 entries.
         stop_token_ids: Token ids that end the row (masked by ``min_tokens``).
 
     Raises:
         ValueError: Naming the field and the bad value.
     """
 
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    presence_penalty: float = 0.0
-    presence_context_size: int = 20
-    frequency_penalty: float = 0.0
-    frequency_context_size: int = 20
-    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    # A payload carries each only when set; the context sizes are no submit keywords.
+    repetition_penalty: float | None = field(default=None, metadata=option(sparse=True))
+    repetition_context_size: int = field(default=20, metadata=option(sparse=True, submit=False))
+    presence_penalty: float = field(default=0.0, metadata=option(sparse=True))
+    presence_context_size: int = field(default=20, metadata=option(sparse=True, submit=False))
+    frequency_penalty: float = field(default=0.0, metadata=option(sparse=True))
+    frequency_context_size: int = field(default=20, metadata=option(sparse=True, submit=False))
+    min_tokens: int = field(default=0, metadata=option(sparse=True))
+    logit_bias: Mapping[int, float] | None = field(
+        default=None,
+        hash=False,
+        metadata=option(sparse=True, encode=_bias_to_pairs, decode=_bias_from_pairs),
+    )
+    stop_token_ids: tuple[int, ...] = field(
+        default=(), metadata=option(sparse=True, given=_ids, encode=list)
+    )
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         if self.repetition_penalty is not None:
-            p = _number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY)
+            p = logit_number(
+                "repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY
+            )
             if p == 0:
-                raise bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+                raise value_error("repetition_penalty", self.repetition_penalty, "must be > 0")
             put("repetition_penalty", p)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is None:  # mlx-lm's "off"
                 value = 0.0
-            put(name, _number(name, value, -MAX_ABS_PENALTY, MAX_ABS_PENALTY))
+            put(name, logit_number(name, value, -MAX_ABS_PENALTY, MAX_ABS_PENALTY))
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-            _integer(name, getattr(self, name), 1, MAX_CONTEXT_SIZE)
+            integer_in(name, getattr(self, name), 1, MAX_CONTEXT_SIZE)
         put("logit_bias", self._bias(self.logit_bias))
-        _integer("min_tokens", self.min_tokens, 0, MAX_MIN_TOKENS)
+        integer_in("min_tokens", self.min_tokens, 0, MAX_MIN_TOKENS)
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise bad("stop_token_ids", ids, "must be a list of token ids")
+            raise value_error("stop_token_ids", ids, "must be a list of token ids")
         if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise bad("stop_token_ids", f"<{len(ids)} ids>", f"at most {MAX_STOP_TOKEN_IDS}")
+            raise value_error(
+                "stop_token_ids", f"<{len(ids)} ids>", f"at most {MAX_STOP_TOKEN_IDS}"
+            )
         put("stop_token_ids", tuple(token_id("stop_token_ids", t) for t in ids))
 
     @staticmethod
@@ -118,15 +121,15 @@ class LogitsParams:
         if bias is None:
             return None
         if not isinstance(bias, Mapping):
-            raise bad("logit_bias", bias, "must be a map of token id to bias")
+            raise value_error("logit_bias", bias, "must be a map of token id to bias")
         if len(bias) > MAX_LOGIT_BIAS:
-            raise bad("logit_bias", f"<{len(bias)} entries>", f"at most {MAX_LOGIT_BIAS}")
+            raise value_error("logit_bias", f"<{len(bias)} entries>", f"at most {MAX_LOGIT_BIAS}")
         out: dict[int, float] = {}
         for k, v in bias.items():
             tok = token_id("logit_bias key", k)
             if tok in out:
-                raise bad("logit_bias key", k, "names a token id twice")
-            out[tok] = _number(f"logit_bias[{k!r}]", v, -MAX_ABS_BIAS, MAX_ABS_BIAS)
+                raise value_error("logit_bias key", k, "names a token id twice")
+            out[tok] = logit_number(f"logit_bias[{k!r}]", v, -MAX_ABS_BIAS, MAX_ABS_BIAS)
         return MappingProxyType(dict(sorted(out.items()))) if out else None
 
     @property
