@@ -177,7 +177,7 @@ import sys
 from mlx_lm import load
 from mlxq.worker.engine import Engine
 from mlxq.worker.config import WorkerConfig
-from mlxq.worker.loop import Worker
+from mlxq.worker.process import Worker
 
 model_path, url, queue = sys.argv[1:4]
 model, tok = load(model_path)[:2]

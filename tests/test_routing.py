@@ -268,6 +268,7 @@ def test_a_hand_whose_reply_is_lost_is_not_run_on_a_guess(bridges, redis_server,
     import redis as redis_py
 
     from mlxq.producer.params import GenerationRequest
+    from mlxq.worker.held import Held
     from mlxq.worker.prefetch import Prefetcher
     from mlxq.worker.routing import continues
 
@@ -291,9 +292,7 @@ def test_a_hand_whose_reply_is_lost_is_not_run_on_a_guess(bridges, redis_server,
         lambda req: [1, 2, 3],
         max_tokens_cap=64,
         max_prompt_chars=10_000,
-        holds=lambda _: False,
-        runs=lambda _: False,
-        load=lambda: 0,
+        held=Held(),
         routing=True,
     )
     p._resync = False

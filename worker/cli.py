@@ -234,7 +234,7 @@ def run_worker(args: argparse.Namespace) -> int:
     logs.setup(args.log_level, args.log_format)
     try:
         from mlxq.worker.engine import Engine
-        from mlxq.worker.loop import Worker
+        from mlxq.worker.process import Worker
     except ImportError as e:
         if not missing_worker_extra(e):
             raise

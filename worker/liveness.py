@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
 
-from mlxq.producer.connection import TRANSIENT, Outage
+from mlxq.producer.connection import TRANSIENT
 from mlxq.worker.bridge import Bridge
+from mlxq.worker.held import Held
+from mlxq.worker.messages import CancelRequested, Inbox, Reaped, Suspended
+from mlxq.worker.stats import WorkerStats
+from mlxq.worker.threads import Helper
 
 log = logging.getLogger("mlxq.worker")
 
@@ -52,49 +55,45 @@ def process_gone(value: str) -> bool:
     return False
 
 
-class Liveness:
+class Liveness(Helper):
     """The heartbeat thread of one worker.
 
     Args:
         bridge: The worker's Redis.
-        inbox: The decode loop's inbox: ``("reaped", None)`` and ``("cancel", ids)``.
-        stats: Returns ``(state, stats map)`` for ``mlxq info``.
-        held: Returns ``(held job ids, (id, execution id) of running jobs)``.
+        inbox: The decode loop's inbox, for :class:`~mlxq.worker.messages.Reaped`,
+            :class:`~mlxq.worker.messages.CancelRequested` and
+            :class:`~mlxq.worker.messages.Suspended`.
+        stats: The worker's stats now, for ``mlxq info``.
+        held: The jobs the worker holds.
         on_renewed: Called when the lease had lapsed and was taken again.
-        on_suspend: Called with True when ``rq suspend`` is seen, False at ``rq resume``.
+        on_suspend: Called with True when ``rq suspend`` is seen, False at ``rq resume``,
+            before the loop hears of it.
     """
 
     def __init__(
         self,
         bridge: Bridge,
-        inbox: queue.SimpleQueue[tuple[str, Any]],
-        stats: Callable[[], tuple[str, dict[str, Any]]],
-        held: Callable[[], tuple[list[str], list[tuple[str, str]]]],
+        inbox: Inbox,
+        stats: Callable[[], WorkerStats],
+        held: Held,
         on_renewed: Callable[[], None] = lambda: None,
-        on_suspend: Callable[[bool], None] | None = None,
+        on_suspend: Callable[[bool], None] = lambda _: None,
     ) -> None:
+        super().__init__("mlxq-liveness", "heartbeat", join_s=5)
         self.bridge, self.inbox, self.stats, self.held = bridge, inbox, stats, held
         self.on_renewed = on_renewed
         self.on_suspend = on_suspend
         self.suspended = False
         self.reaped_jobs = 0
-        self._stop = threading.Event()
         self._poke = threading.Event()
         self._reported_epoch = -1
         self._next: dict[str, float] = {}
-        self._outage = Outage(log, "heartbeat")
-        self._thread = threading.Thread(target=self._run, name="mlxq-liveness", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._poke.set()
-        self._thread.join(5)
 
     def poke(self) -> None:
         """Beat now (a write was refused for the lease)."""
+        self._poke.set()
+
+    def _wake(self) -> None:
         self._poke.set()
 
     def _due(self, what: str, every: float) -> bool:
@@ -104,27 +103,33 @@ class Liveness:
         self._next[what] = now + every
         return True
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for step in (
-                self._beat,
-                self._check_suspended,
-                self._reap,
-                self._publish,
-                self._check_cancels,
-                self._refresh,
-                self._sweep,
-            ):
-                try:
-                    step()
-                    self._outage.ok()
-                except TRANSIENT as e:
-                    self._outage.failed(e)
-                    break
-                except Exception:  # this thread must outlive whatever one step hits
-                    log.exception("heartbeat: %s failed; going on", step.__name__)
-            self._poke.wait(BEAT_S)
-            self._poke.clear()
+    def _turn(self) -> None:
+        """One beat: every step, then a pause until the next (a Redis outage cuts the
+        steps short; the pause stays a beat, so the lease is kept as soon as it can be)."""
+        for step in (
+            self._beat,
+            self._check_suspended,
+            self._reap,
+            self._publish,
+            self._check_cancels,
+            self._refresh,
+            self._sweep,
+        ):
+            try:
+                step()
+                self._outage.ok()
+            except TRANSIENT:
+                raise
+            except Exception:  # this thread must outlive whatever one step hits
+                log.exception("heartbeat: %s failed; going on", step.__name__)
+        self._rest()
+
+    def _on_outage(self) -> None:
+        self._rest()
+
+    def _rest(self) -> None:
+        self._poke.wait(BEAT_S)
+        self._poke.clear()
 
     def _beat(self) -> None:
         verdict = self.bridge.beat()
@@ -134,7 +139,7 @@ class Liveness:
                 self.bridge.name,
             )
             self._reported_epoch = self.bridge.epoch
-            self.inbox.put(("reaped", self.bridge.epoch))
+            self.inbox.put(Reaped(self.bridge.epoch))
         elif verdict == "renewed":
             # The lease had lapsed: a long stall, or a Redis that restarted without its
             # data (the logs of running jobs went with it and must get their TTL again).
@@ -148,9 +153,10 @@ class Liveness:
 
     def _check_suspended(self) -> None:
         suspended = self.bridge.suspended()
-        if suspended != self.suspended and self.on_suspend is not None:
+        if suspended != self.suspended:
             self.suspended = suspended
             self.on_suspend(suspended)
+            self.inbox.put(Suspended(suspended))
 
     def _reap(self) -> None:
         for other, value in self.bridge.roll():
@@ -171,23 +177,21 @@ class Liveness:
 
     def _publish(self) -> None:
         if self._due("stats", STATS_S):
-            state, stats = self.stats()
-            stats["jobs_requeued_from_dead_workers"] = self.reaped_jobs
-            self.bridge.write_stats(state, stats)
-            self.bridge.set_state(state)
+            stats = replace(self.stats(), jobs_requeued_from_dead_workers=self.reaped_jobs)
+            self.bridge.write_stats(stats.state, stats.as_record())
+            self.bridge.set_state(stats.state)
 
     def _check_cancels(self) -> None:
         if self._due("cancels", CANCEL_CHECK_S):
-            held, _ = self.held()
+            held = self.held.ids()
             if held and (flagged := self.bridge.cancel_flags(held)):
-                self.inbox.put(("cancel", flagged))
+                self.inbox.put(CancelRequested(tuple(flagged)))
 
     def _refresh(self) -> None:
         if self._due("rq", RQ_HEARTBEAT_S):
             self.bridge.rq_heartbeat()
         if self._due("refresh", REFRESH_S):
-            _, running = self.held()
-            self.bridge.refresh(running)
+            self.bridge.refresh(self.held.running())
 
     def _sweep(self) -> None:
         if self._due("sweep", SWEEP_S):

@@ -5,7 +5,9 @@ Every event of a job (``queued_wait``: claimed after waiting in the queue; ``sta
 ``finished``, ``failed``, ``canceled``, ``requeued``, ``timed_out``) is logged by
 :func:`job_event` as one line naming the job id, queue and attempt, with its tokens and
 timings as fields: ``key=value`` in the text, top-level keys in JSON (passed as the
-record's ``extra``). No log line carries a prompt or generated text.
+record's ``extra``). The decode loop's events come with their fields from
+:func:`log_queued`, :func:`log_started` and :func:`log_end`. No log line carries a prompt
+or generated text.
 """
 
 from __future__ import annotations
@@ -13,12 +15,20 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import datetime, timezone
 from typing import Any
 
+from mlxq.producer.outcome import Outcome
+from mlxq.worker.jobs import Job
+
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: Outcomes logged at INFO; the others (a failure, a job let go of) at WARNING.
+QUIET = frozenset({Outcome.FINISHED, Outcome.CANCELED, Outcome.REQUEUED})
 EVENTS = ("queued_wait", "started", "finished", "failed", "canceled", "requeued", "timed_out")
+
+log = logging.getLogger("mlxq.worker")
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
@@ -81,3 +91,47 @@ def job_event(
     extra.update({k: v for k, v in fields.items() if v is not None})
     detail = " ".join(f"{k}={_text(v)}" for k, v in extra.items() if k not in ("event", "job_id"))
     log.log(level, "job %s %s %s", job_id, event, detail, extra=extra)
+
+
+def log_queued(queue: str, job: Job) -> None:
+    """A job reached the decode loop, after waiting in the queue."""
+    waited = None if job.enqueued_at is None else max(0.0, time.time() - job.enqueued_at)
+    job_event(log, "queued_wait", job.id, queue, job.attempts_before + 1, queue_wait_s=waited)
+
+
+def log_started(queue: str, job: Job) -> None:
+    """A job took a row and its run started."""
+    job_event(
+        log,
+        "started",
+        job.id,
+        queue,
+        job.attempt,
+        prompt_tokens=len(job.prompt_ids),
+        queue_wait_s=(
+            None if job.enqueued_at is None else max(0.0, job.started_at - job.enqueued_at)
+        ),
+        buffered_s=job.started_mono - job.claimed_at,
+    )
+
+
+def log_end(queue: str, job: Job, outcome: Outcome) -> None:
+    """A job the loop held settled: it ended, or the worker let go of it."""
+    now = time.monotonic()
+    started = bool(job.started_mono)
+    failed = outcome is Outcome.FAILED
+    job_event(
+        log,
+        "timed_out" if failed and job.timed_out else outcome.value,
+        job.id,
+        queue,
+        job.attempt or job.attempts_before + 1,
+        logging.INFO if outcome in QUIET else logging.WARNING,
+        tokens=job.generated if started else None,
+        prompt_tokens=len(job.prompt_ids),
+        finish_reason=job.finish_reason if outcome is Outcome.FINISHED else None,
+        ttft_s=None if job.first_token_at is None else job.first_token_at - job.started_mono,
+        run_s=now - job.started_mono if started else None,
+        e2e_s=None if job.enqueued_at is None else max(0.0, time.time() - job.enqueued_at),
+        reason=(job.note or None) if outcome is not Outcome.FINISHED else None,
+    )

@@ -2,7 +2,7 @@
 
 The decode thread owns every :class:`~mlxq.worker.jobs.Job`; the other threads never touch
 one. They put these on the loop's :data:`Inbox`, and the loop handles them with ``match``
-at the top of each turn (:meth:`mlxq.worker.loop.Worker._handle_inbox`).
+at the top of each turn (:meth:`mlxq.worker.loop.DecodeLoop._handle_inbox`).
 
 - the writer (:mod:`mlxq.worker.sink`): :class:`Started`, :class:`Ended`,
   :class:`Settled`, :class:`WriteFailed`;

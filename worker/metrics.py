@@ -15,7 +15,7 @@ now) and ``prompt_tokens_prefilled_total`` (prompt tokens computed); routing's
 ``jobs_handed_out_total`` and ``jobs_handed_in_total`` (chat turns handed to the worker
 holding their history, and taken from others).
 
-Counters and gauges are read from the worker's stats map when scraped, so the decode loop
+Counters and gauges are read from the worker's stats when scraped, so the decode loop
 pays nothing for them; the latency histograms are fed by four calls of the loop:
 :meth:`Metrics.started`, :meth:`Metrics.step`, :meth:`Metrics.settled` (and nothing when
 metrics are off: :class:`NoMetrics`). Times since a job was queued count from rq's
@@ -35,7 +35,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from mlxq.producer.outcome import TERMINAL, Outcome
 from mlxq.worker.jobs import Job
+from mlxq.worker.stats import WorkerStats
 
 # vLLM's buckets, so dashboards built for it read mlxq's the same way.
 TTFT_BUCKETS = (
@@ -108,9 +110,9 @@ E2E_BUCKETS = (
 )
 #: Rows per step: powers of two up to mlx-lm's largest sensible batch.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-OUTCOMES = ("finished", "failed", "canceled", "requeued")
+OUTCOMES = (Outcome.FINISHED, Outcome.FAILED, Outcome.CANCELED, Outcome.REQUEUED)
 
-Stats = Callable[[], tuple[str, dict[str, Any]]]
+Stats = Callable[[], WorkerStats]
 
 
 class TokenRate:
@@ -168,20 +170,20 @@ def _histogram(
 
 
 class _StatsCollector(Collector):
-    """Counters and gauges read from the worker's stats map at scrape time."""
+    """Counters and gauges read from the worker's stats at scrape time."""
 
     def __init__(self, stats: Stats, itl: _WeightedHistogram) -> None:
         self.stats, self.itl = stats, itl
 
     def collect(self) -> Iterator[Any]:
-        _, s = self.stats()
+        s = self.stats()
         yield GaugeMetricFamily(
-            "mlxq_num_requests_running", "Jobs decoding in the batch now", s["running"]
+            "mlxq_num_requests_running", "Jobs decoding in the batch now", s.running
         )
         yield GaugeMetricFamily(
             "mlxq_num_requests_waiting",
             "Jobs claimed by this worker, waiting for a row",
-            s["buffered"],
+            s.buffered,
         )
         for name, key, doc in (
             ("mlxq_prompt_tokens", "prompt_tokens", "Prompt tokens of started rows"),
@@ -215,19 +217,19 @@ class _StatsCollector(Collector):
                 "Chat turns another worker handed this one (it held their history)",
             ),
         ):
-            yield CounterMetricFamily(name, doc, value=s[key])
+            yield CounterMetricFamily(name, doc, value=getattr(s, key))
         yield GaugeMetricFamily(
             "mlxq_prefix_cache_bytes",
             "Bytes of KV state the prompt cache holds",
-            s["prompt_cache_bytes"],
+            s.prompt_cache_bytes,
         )
         jobs = CounterMetricFamily(
             "mlxq_jobs", "Jobs this worker settled, by outcome", labels=["outcome"]
         )
         for outcome in OUTCOMES:
-            jobs.add_metric([outcome], s[f"jobs_{outcome}"])
+            jobs.add_metric([outcome.value], s.jobs(outcome))
         yield jobs
-        sizes = {int(k): v for k, v in s["batch_sizes"].items()}
+        sizes = {int(k): v for k, v in s.batch_sizes.items()}
         counts = [0] * (len(BATCH_BUCKETS) + 1)
         for size, n in sizes.items():
             counts[bisect.bisect_left(BATCH_BUCKETS, size)] += n
@@ -251,7 +253,7 @@ class NoMetrics:
     def step(self, now: float, touched: Sequence[Job]) -> None:
         pass
 
-    def settled(self, job: Job, outcome: str) -> None:
+    def settled(self, job: Job, outcome: Outcome) -> None:
         pass
 
     def close(self) -> None:
@@ -262,7 +264,7 @@ class Metrics(NoMetrics):
     """Prometheus metrics of one worker, in a registry of its own.
 
     Args:
-        stats: The worker's ``stats()`` (state, stats map), read at each scrape.
+        stats: The worker's ``stats()``, read at each scrape.
     """
 
     def __init__(self, stats: Stats) -> None:
@@ -336,8 +338,8 @@ class Metrics(NoMetrics):
             self.itl.observe(now - self._last_step, later)
         self._last_step = now
 
-    def settled(self, job: Job, outcome: str) -> None:
-        if outcome == "finished" and job.finish_reason:
+    def settled(self, job: Job, outcome: Outcome) -> None:
+        if outcome is Outcome.FINISHED and job.finish_reason:
             self.success.labels(job.finish_reason).inc()
-        if outcome in ("finished", "failed", "canceled") and job.enqueued_at is not None:
+        if outcome in TERMINAL and job.enqueued_at is not None:
             self.e2e.observe(max(0.0, time.time() - job.enqueued_at))

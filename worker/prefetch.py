@@ -22,14 +22,15 @@ from datetime import datetime
 import redis
 
 from mlxq.producer.codec import decode_job_data
-from mlxq.producer.connection import TRANSIENT, Outage, backoff
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.bridge import HAND_SHARE, HAND_SLACK, Bridge, Claimed, LeaseLost
+from mlxq.worker.held import Held
 from mlxq.worker.jobs import Job
 from mlxq.worker.logs import job_event
 from mlxq.worker.routing import continues
 from mlxq.worker.sink import Sink
+from mlxq.worker.threads import Helper
 
 log = logging.getLogger("mlxq.worker")
 
@@ -82,7 +83,7 @@ def _timestamp(value: str) -> float | None:
         return None
 
 
-class Prefetcher:
+class Prefetcher(Helper):
     """Keeps ``want`` jobs ready for the decode loop.
 
     Args:
@@ -92,11 +93,11 @@ class Prefetcher:
             cannot take).
         max_tokens_cap: Largest ``max_tokens`` accepted.
         max_prompt_chars: Longest prompt (characters) worth tokenizing for this model.
-        holds: Whether the worker holds a job id in any state (its end not committed).
-        runs: Whether it holds it buffered or running (a second claim is a duplicate).
-        load: Rows the worker holds, running or buffered.
+        held: The jobs the worker holds; the ones ready here are marked in it.
         routing: Hand chat turns to the worker holding their history.
     """
+
+    error_wait_s = 0.5
 
     def __init__(
         self,
@@ -106,36 +107,26 @@ class Prefetcher:
         *,
         max_tokens_cap: int,
         max_prompt_chars: int,
-        holds: Callable[[str], bool],
-        runs: Callable[[str], bool],
-        load: Callable[[], int],
+        held: Held,
         routing: bool,
     ) -> None:
+        super().__init__("mlxq-prefetch", "prefetch", join_s=10)
         self.bridge, self.sink, self.encode = bridge, sink, encode
-        self.max_tokens_cap, self.is_held, self.runs = max_tokens_cap, holds, runs
+        self.max_tokens_cap, self.held = max_tokens_cap, held
         self.max_prompt_chars = max_prompt_chars
-        self.routing, self.load = routing, load
+        self.routing = routing
         self.want = 0
         self.failed = 0
         self.handed = 0  # jobs handed to another worker
         self.handed_in = 0  # jobs another worker handed this one
         self._ready: deque[Job] = deque()
-        self._ready_ids: set[str] = set()
         self._cond = threading.Condition()
-        self._stop = threading.Event()
         self._paused = threading.Event()
         self._resync = True  # look over the WIP list first: a restart may have left entries
-        self._outage = Outage(log, "prefetch")
-        self._thread = threading.Thread(target=self._run, name="mlxq-prefetch", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
+    def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(10)
 
     def pause(self, paused: bool) -> None:
         """Claim nothing while paused (a suspended queue, a lost lease)."""
@@ -151,7 +142,7 @@ class Prefetcher:
         with self._cond:
             jobs = list(self._ready)
             self._ready.clear()
-            self._ready_ids.clear()
+            self.held.taken()
             self._cond.notify_all()
         return jobs
 
@@ -162,36 +153,19 @@ class Prefetcher:
                 self._cond.wait(timeout)
             return bool(self._ready)
 
-    def holds(self, job_id: str) -> bool:
-        """Whether a job is ready here (safe from any thread: a set lookup)."""
-        return job_id in self._ready_ids
-
-    def drain(self) -> list[Job]:
-        """Stop claiming and hand back what is buffered (shutdown)."""
-        self.stop()
-        return self.take()
-
     # -- the thread --------------------------------------------------------------------
 
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                self._turn()
-                self._outage.ok()
-                failures = 0
-            except TRANSIENT as e:
-                self._outage.failed(e)
-                self._resync = True  # a move whose reply was lost may have moved a job to us
-                failures += 1
-                self._stop.wait(backoff().compute(failures))
-            except LeaseLost:
-                self._stop.wait(0.2)  # the liveness thread sorts the lease out
-            except Exception:
-                log.exception("prefetch: going on after an unexpected error")
-                # A claim that raised may have moved jobs into the WIP list first.
-                self._resync = True
-                self._stop.wait(0.5)
+    def _on_outage(self) -> None:
+        self._resync = True  # a move whose reply was lost may have moved a job to us
+        super()._on_outage()
+
+    def _on_error(self, error: Exception) -> None:
+        if isinstance(error, LeaseLost):
+            self._stop.wait(0.2)  # the liveness thread sorts the lease out
+            return
+        # A claim that raised may have moved jobs into the WIP list first.
+        self._resync = True
+        super()._on_error(error)
 
     def _need(self) -> int:
         with self._cond:
@@ -206,7 +180,7 @@ class Prefetcher:
             stray = [
                 raw
                 for raw in self.bridge.wip()
-                if (i := _readable_id(raw)) is None or not self.is_held(i)
+                if (i := _readable_id(raw)) is None or not self.held.holds(i)
             ]
             self._resync = False
             if stray:
@@ -251,7 +225,7 @@ class Prefetcher:
         if ready:
             with self._cond:
                 self._ready.extend(ready)
-                self._ready_ids.update(j.id for j in ready)
+                self.held.ready(j.id for j in ready)
                 self._cond.notify_all()
 
     def _hand_off(
@@ -272,7 +246,7 @@ class Prefetcher:
         try:
             owners = self.bridge.routes([k for _, k in wanted])
             # What this worker will hold once the jobs it keeps of this claim are in.
-            load = self.load() + len(checked)
+            load = self.held.load() + len(checked)
             for (i, _), to in zip(wanted, owners, strict=True):
                 if to is None or to == self.bridge.name:
                     continue
@@ -308,7 +282,7 @@ class Prefetcher:
         if c.verdict != "ok":
             self._refused(job_id, c)
             return None
-        if self.runs(job_id):
+        if self.held.runs(job_id):
             log.warning("job %s: a second queue entry for a job this worker holds; dropped", job_id)
             self.sink.release("drop", [job_id])
             return None

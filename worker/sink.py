@@ -22,7 +22,9 @@ import redis
 
 from mlxq.producer.codec import Chunk
 from mlxq.producer.connection import TRANSIENT, Outage, retry_forever
+from mlxq.producer.outcome import Outcome, outcome_of
 from mlxq.worker.bridge import Bridge, End, Flush, FlushReply, LeaseLost
+from mlxq.worker.messages import Ended, Inbox, Settled, Started, WriteFailed
 
 log = logging.getLogger("mlxq.worker")
 
@@ -47,16 +49,16 @@ class Sink:
 
     Args:
         bridge: The worker's Redis.
-        inbox: Where replies go, as ``(kind, value)``: ``("started", {id: verdict})``,
-            ``("ended", {id: outcome})``, ``("settled", {id: outcome})`` (failed before
-            start, or handed back), ``("write_failed", (id, why))``.
+        inbox: Where replies go: :class:`~mlxq.worker.messages.Started`,
+            :class:`~mlxq.worker.messages.Ended`, :class:`~mlxq.worker.messages.Settled`
+            (failed before start, or handed back), :class:`~mlxq.worker.messages.WriteFailed`.
         on_lease_lost: Called when a write was refused for the lease (ask for a beat now).
     """
 
     def __init__(
         self,
         bridge: Bridge,
-        inbox: queue.SimpleQueue[tuple[str, Any]],
+        inbox: Inbox,
         on_lease_lost: Callable[[], None],
     ) -> None:
         self.bridge, self.inbox, self.on_lease_lost = bridge, inbox, on_lease_lost
@@ -191,12 +193,12 @@ class Sink:
             for job_id in op.job_ids:
                 log.error("job %s: its %s write raised (%s); dropped", job_id, op.kind, error)
                 if op.kind == "chunks":
-                    self.inbox.put(("write_failed", (job_id, f"{type(error).__name__}: {error}")))
+                    self.inbox.put(WriteFailed(job_id, f"{type(error).__name__}: {error}"))
                 elif op.kind == "start":
                     self._void[job_id] = None
-                    self.inbox.put(("started", {job_id: "refused"}))
+                    self.inbox.put(Started({job_id: "refused"}))
                 else:
-                    self.inbox.put(("settled", {job_id: "dropped"}))
+                    self.inbox.put(Settled({job_id: Outcome.DROPPED}))
 
     def _flush_of(self, ops: list[_Op]) -> Flush:
         f = Flush()
@@ -252,14 +254,14 @@ class Sink:
                 if len(self._void) > VOID_MEMORY:
                     self._void.popitem(last=False)
         if reply.started:
-            self.inbox.put(("started", reply.started))
+            self.inbox.put(Started(reply.started))
         if reply.ended:
-            self.inbox.put(("ended", reply.ended))
+            self.inbox.put(Ended({j: outcome_of(o) for j, o in reply.ended.items()}))
         if reply.settled:
-            self.inbox.put(("settled", reply.settled))
+            self.inbox.put(Settled({j: outcome_of(o) for j, o in reply.settled.items()}))
         for job_id, what in reply.healed:
             log.warning("job %s: replaced a key of the wrong type: %s", job_id, what)
         for problem in reply.write_problems:
             log.warning("job %s: replay log write: %s", *problem)
             if problem[1] != "healed":
-                self.inbox.put(("write_failed", problem))
+                self.inbox.put(WriteFailed(*problem))

@@ -1,0 +1,100 @@
+"""The jobs a worker holds, as every thread may ask about them.
+
+The decode loop alone adds jobs, settles them and changes their status; the prefetcher
+alone marks the jobs it has ready (claimed and tokenized, not yet taken by the loop: held
+all the same). The other threads only ask: the prefetcher whether a claim is a duplicate
+and how loaded the worker is, the cancel listener whether an id is this worker's, the
+heartbeat which jobs to check for cancels and whose rq records to keep fresh, the stats
+how many rows are busy. A lock makes each answer one moment's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from mlxq.worker.jobs import Job, Status
+
+
+class Held:
+    """Every job a worker holds until its end (or hand-back) is committed."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, Job] = {}  # every job past the prefetcher, until settled
+        self._ready: set[str] = set()  # ids the prefetcher has ready for the loop
+        self._lock = threading.Lock()
+
+    # -- the decode loop ---------------------------------------------------------------
+
+    def add(self, job: Job) -> None:
+        """A job taken from the prefetcher."""
+        with self._lock:
+            self._jobs[job.id] = job
+
+    def get(self, job_id: str) -> Job | None:
+        """The job of this id past the prefetcher, if held."""
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def settle(self, job_id: str) -> None:
+        """A job's end or hand-back was committed: it is no longer held."""
+        with self._lock:
+            del self._jobs[job_id]
+
+    def clear(self) -> None:
+        """Drop every job past the prefetcher (another worker requeued them all)."""
+        with self._lock:
+            self._jobs.clear()
+
+    def jobs(self, status: Status | None = None) -> list[Job]:
+        """The jobs past the prefetcher (of one status), in the order they came."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        return jobs if status is None else [j for j in jobs if j.status is status]
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    # -- the prefetcher ----------------------------------------------------------------
+
+    def ready(self, job_ids: Iterable[str]) -> None:
+        """Jobs the prefetcher made ready."""
+        with self._lock:
+            self._ready.update(job_ids)
+
+    def taken(self) -> None:
+        """The loop took every ready job."""
+        with self._lock:
+            self._ready.clear()
+
+    # -- any thread --------------------------------------------------------------------
+
+    def holds(self, job_id: str) -> bool:
+        """Whether the worker holds a job in any state, its end not yet committed."""
+        with self._lock:
+            return job_id in self._jobs or job_id in self._ready
+
+    def runs(self, job_id: str) -> bool:
+        """Whether a job is ready, buffered or running here (a second claim of it is a
+        rogue duplicate; a job whose hand-back is committing may be claimed again)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return (job is not None and job.status is not Status.ENDING) or job_id in self._ready
+
+    def rows(self) -> tuple[int, int]:
+        """Jobs running and jobs buffered (past the prefetcher, waiting for a row)."""
+        statuses = [j.status for j in self.jobs()]
+        return statuses.count(Status.RUNNING), statuses.count(Status.BUFFERED)
+
+    def load(self) -> int:
+        """Rows the worker holds, running or buffered."""
+        return sum(self.rows())
+
+    def ids(self) -> list[str]:
+        """Ids of the jobs past the prefetcher that are not ending (a cancel may reach
+        them)."""
+        return [j.id for j in self.jobs() if j.status is not Status.ENDING]
+
+    def running(self) -> list[tuple[str, str]]:
+        """(id, execution id) of the running jobs."""
+        return [(j.id, j.execution_id) for j in self.jobs(Status.RUNNING)]

@@ -1,0 +1,170 @@
+"""The worker process: its threads, wired together, started, and stopped in order.
+
+One decode thread (:class:`~mlxq.worker.loop.DecodeLoop`) does all MLX work; around it the
+prefetcher claims and tokenizes jobs, the writer (:class:`~mlxq.worker.sink.Sink`) does
+every Redis write of the loop's, the heartbeat (:class:`~mlxq.worker.liveness.Liveness`)
+keeps the lease and reaps dead workers, and the cancel listener hears cancels. They share
+the loop's inbox (:mod:`mlxq.worker.messages`) and one view of the held jobs
+(:class:`~mlxq.worker.held.Held`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+from mlxq.producer.outcome import Outcome
+from mlxq.producer.params import MAX_PROMPT_CHARS
+from mlxq.worker.bridge import Bridge
+from mlxq.worker.cancels import CancelListener
+from mlxq.worker.config import WorkerConfig
+from mlxq.worker.engine import Engine
+from mlxq.worker.held import Held
+from mlxq.worker.liveness import Liveness
+from mlxq.worker.loop import SETTLE_S, DecodeLoop
+from mlxq.worker.messages import Inbox
+from mlxq.worker.metrics import Metrics, TokenRate
+from mlxq.worker.prefetch import MAX_CHARS_PER_TOKEN, Prefetcher
+from mlxq.worker.sink import Sink
+from mlxq.worker.stats import WorkerStats
+
+log = logging.getLogger("mlxq.worker")
+
+
+def _max_prompt_chars(engine: Engine) -> int:
+    if not engine.max_context:
+        return MAX_PROMPT_CHARS
+    return min(MAX_PROMPT_CHARS, engine.max_context * MAX_CHARS_PER_TOKEN)
+
+
+class Worker:
+    """Runs until SIGTERM/SIGINT (or :meth:`stop`); see :class:`WorkerConfig`.
+
+    Args:
+        config: What to serve and how.
+        engine: A ready engine (tests inject one); by default ``config.model`` is loaded.
+    """
+
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.name = config.worker_name
+        self.engine = engine or Engine.for_worker(config)
+        self.bridge = Bridge(config)
+        inbox: Inbox = queue.SimpleQueue()
+        self.held = Held()
+        self.sink = Sink(self.bridge, inbox, on_lease_lost=lambda: self.liveness.poke())
+        self.prefetch = Prefetcher(
+            self.bridge,
+            self.sink,
+            self.engine.encode,
+            max_tokens_cap=config.max_tokens_cap,
+            max_prompt_chars=_max_prompt_chars(self.engine),
+            held=self.held,
+            routing=config.routing,
+        )
+        self.liveness = Liveness(
+            self.bridge,
+            inbox,
+            self.stats,
+            self.held,
+            on_renewed=self.sink.refresh_ttls,
+            on_suspend=self.prefetch.pause,  # at once: claim nothing more meanwhile
+        )
+        self.cancels = CancelListener(self.bridge, inbox, self.held)
+        self.loop = DecodeLoop(
+            config, self.engine, self.bridge, inbox, self.held, self.sink, self.prefetch
+        )
+        self.born = time.time()
+        self.rate = TokenRate()
+
+    def stop(self, *_: Any) -> None:
+        """First call: stop admitting and drain. Second: requeue what is held, now."""
+        self.loop.stop()
+
+    def run(self) -> int:
+        """Serve until stopped; returns the process exit code."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
+        self.bridge.register()
+        if self.config.metrics_port is not None:
+            metrics = Metrics(self.stats)
+            port = metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            self.loop.metrics = metrics
+            log.info("metrics at http://%s:%d/metrics", self.config.metrics_host, port)
+        for t in (self.sink, self.liveness, self.cancels, self.prefetch):
+            t.start()
+        log.info(
+            "worker %s serving queue %r with %s (max_batch=%d, window=%.0f ms)",
+            self.name,
+            self.config.queue,
+            self.config.model,
+            self.config.max_batch,
+            self.config.window_ms,
+        )
+        try:
+            self.loop.run()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _shutdown(self) -> None:
+        self.prefetch.stop()
+        self.cancels.stop()
+        settled = self.sink.close(SETTLE_S)
+        self.liveness.stop()
+        self.loop.metrics.close()
+        try:
+            # Jobs handed here and not claimed go back to the queue; the roll is left only
+            # with nothing held, else a live worker requeues what this one holds at once.
+            self.bridge.unregister(settled)
+        except Exception as e:  # Redis is gone: the reaper covers for us
+            log.warning("on exit: %s", e)
+        log.info("worker %s stopped", self.name)
+
+    def stats(self) -> WorkerStats:
+        """What this worker says of itself now (safe from any thread)."""
+        c = self.engine.counters
+        running, buffered = self.held.rows()
+        outcomes, suspended = self.loop.outcomes, self.loop.suspended
+        # Stopping or suspended: no free rows, so no chat turn is handed here.
+        closed = suspended or self.loop.stopping
+        return WorkerStats(
+            name=self.name,
+            queue=self.config.queue,
+            model=self.config.model,
+            max_batch=self.config.max_batch,
+            window_ms=self.config.window_ms,
+            decode_steps=c.decode_steps,
+            vectorized_steps=c.vectorized_steps,
+            sampler_calls=c.sampler_calls,
+            tokens_generated=c.tokens_generated,
+            prompt_tokens=c.prompt_tokens,
+            prompt_tokens_prefilled=c.prompt_tokens_prefilled,
+            prompt_cache_queries=c.prompt_cache_queries,
+            prompt_cache_hits=c.prompt_cache_hits,
+            prompt_tokens_cached=c.prompt_tokens_cached,
+            prompt_cache_bytes=self.engine.prompt_cache_bytes,
+            jobs_finished=outcomes[Outcome.FINISHED],
+            jobs_failed=outcomes[Outcome.FAILED] + self.prefetch.failed,
+            jobs_canceled=outcomes[Outcome.CANCELED],
+            jobs_requeued=outcomes[Outcome.REQUEUED],
+            tok_s_1m=round(self.rate.sample(c.tokens_generated), 2),
+            suspended=suspended,
+            updated_at=time.time(),
+            running=running,
+            buffered=buffered,
+            room=0 if closed else max(0, self.config.max_batch - running - buffered),
+            load=running + buffered,
+            jobs_handed_out=self.prefetch.handed,
+            jobs_handed_in=self.prefetch.handed_in,
+            pid=os.getpid(),
+            cancels_ignored=self.cancels.ignored,
+            started_at=self.born,
+            batch_sizes={str(k): v for k, v in sorted(c.batch_sizes.items())},
+        )

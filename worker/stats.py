@@ -1,0 +1,82 @@
+"""What a worker says of itself, once a second: ``mlxq info``, the Prometheus metrics and
+the hand-off script (its ``room`` and ``load``) read it.
+
+:class:`WorkerStats` is taken by the decode loop's ``stats()`` from any thread; the
+heartbeat stores it in the worker's stats hash (``mlxq:worker:<name>``) as a msgpack map,
+:meth:`WorkerStats.as_record`, whose keys and their order are what readers of the hash
+have always found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from mlxq.producer.outcome import Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker's numbers at ``updated_at``; the fields' order is the record's.
+
+    The engine's counters run from the worker's start; ``jobs_*`` count jobs settled by
+    outcome (``jobs_failed`` with the jobs that failed before they started); ``running``,
+    ``buffered`` are jobs held now; ``room`` the rows a handed chat turn may take (none
+    while stopping or suspended), ``load`` the rows held; ``batch_sizes`` how many decode
+    steps ran with each number of rows.
+    """
+
+    name: str
+    queue: str
+    model: str
+    max_batch: int
+    window_ms: float
+    decode_steps: int
+    vectorized_steps: int
+    sampler_calls: int
+    tokens_generated: int
+    prompt_tokens: int
+    prompt_tokens_prefilled: int
+    prompt_cache_queries: int
+    prompt_cache_hits: int
+    prompt_tokens_cached: int
+    prompt_cache_bytes: int
+    jobs_finished: int
+    jobs_failed: int
+    jobs_canceled: int
+    jobs_requeued: int
+    tok_s_1m: float
+    suspended: bool
+    updated_at: float
+    running: int
+    buffered: int
+    room: int
+    load: int
+    jobs_handed_out: int
+    jobs_handed_in: int
+    pid: int
+    cancels_ignored: int
+    started_at: float
+    batch_sizes: dict[str, int]
+    #: Jobs this worker's heartbeat took back from dead workers (it fills this in).
+    jobs_requeued_from_dead_workers: int = 0
+
+    @property
+    def state(self) -> str:
+        """rq's word for the worker: ``busy``, ``suspended`` or ``idle``."""
+        return "busy" if self.running else "suspended" if self.suspended else "idle"
+
+    def jobs(self, outcome: Outcome) -> int:
+        """Jobs settled with one of the outcomes counted (finished, failed, canceled,
+        requeued)."""
+        counted = {
+            Outcome.FINISHED: self.jobs_finished,
+            Outcome.FAILED: self.jobs_failed,
+            Outcome.CANCELED: self.jobs_canceled,
+            Outcome.REQUEUED: self.jobs_requeued,
+        }
+        return counted[outcome]
+
+    def as_record(self) -> dict[str, Any]:
+        """The map stored in Redis, its keys in the fields' order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
