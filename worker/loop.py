@@ -22,19 +22,22 @@ from typing import Any
 from mlxq.batching.admission import AdmissionPolicy, admit
 from mlxq.batching.window import Window
 from mlxq.producer.codec import Chunk
+from mlxq.producer.outcome import Outcome
 from mlxq.producer.params import MAX_PROMPT_CHARS
-from mlxq.worker.bridge import Bridge, End
+from mlxq.worker.bridge import Bridge
 from mlxq.worker.cancels import CancelListener
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.engine import Engine
 from mlxq.worker.jobs import Job, Status
 from mlxq.worker.liveness import Liveness
 from mlxq.worker.logs import job_event
+from mlxq.worker.messages import Ended, Settled, Started, WriteFailed
 from mlxq.worker.metrics import Metrics, NoMetrics, TokenRate
 from mlxq.worker.prefetch import MAX_CHARS_PER_TOKEN, Prefetcher, ttl_expired
 from mlxq.worker.prompt_cache import MIN_REUSE
 from mlxq.worker.routing import finished_as
 from mlxq.worker.sink import Sink
+from mlxq.worker.writes import ChunkWrite, End, ReleaseMode, StartWrite
 
 log = logging.getLogger("mlxq.worker")
 
@@ -66,7 +69,7 @@ class Worker:
         self.name = config.worker_name
         self.engine = engine or Engine.for_worker(config)
         self.bridge = Bridge(config)
-        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.jobs: dict[str, Job] = {}  # every job past the prefetcher, until settled
         self.sink = Sink(self.bridge, self.inbox, on_lease_lost=self._poke)
         self.prefetch = Prefetcher(
@@ -238,7 +241,7 @@ class Worker:
                 log.warning(
                     "job %s: a second queue entry for a job this worker holds; dropped", job.id
                 )
-                self.sink.release("drop", [job.id])
+                self.sink.release(ReleaseMode.DROP, [job.id])
                 continue
             job.arrived_step = self.steps
             self.jobs[job.id] = job
@@ -271,8 +274,10 @@ class Worker:
                 )
                 continue
             exec_id = uuid.uuid4().hex
-            resets += [(job.id, c, True) for c in job.start(exec_id, self.engine.new_detokenizer)]
-            starts.append((job.id, job.attempts_before, exec_id))
+            resets += [
+                ChunkWrite(job.id, c, True) for c in job.start(exec_id, self.engine.new_detokenizer)
+            ]
+            starts.append(StartWrite(job.id, job.attempts_before, exec_id))
             rows.append(job)
         self.sink.starts(starts)
         self.sink.chunks(resets)
@@ -335,20 +340,20 @@ class Worker:
         self.fresh.clear()
         now = time.monotonic()
         self.metrics.step(now, touched)
-        chunks: list[tuple[str, Chunk, bool]] = []
+        chunks: list[ChunkWrite] = []
         ends: list[tuple[Job, Chunk]] = []
         for job in touched:
             if job.status is not Status.RUNNING:
                 continue
             if job.all_finished:
                 owed, final = job.finish()
-                chunks += [(job.id, c, False) for c in owed]
+                chunks += [ChunkWrite(job.id, c, False) for c in owed]
                 ends.append((job, final))
             else:
                 due = job.chunks_due(now, self.interval)
                 if due:
                     expire = self._refresh_ttl(job, now)
-                    chunks += [(job.id, c, expire) for c in due]
+                    chunks += [ChunkWrite(job.id, c, expire) for c in due]
         self.sink.chunks(chunks)
         for job, final in ends:  # after their chunks, so each job's end comes last
             self._end(job, "finished", final)
@@ -370,7 +375,7 @@ class Worker:
         self.sink.end(
             End(
                 job.id,
-                outcome,
+                Outcome(outcome),
                 job.execution_id,
                 job.started_at,
                 final,
@@ -404,11 +409,12 @@ class Worker:
         )
         for job in suspects:
             self._end(job, "failed", job.fail(reason))
-        self._release([j for j in running if j.id not in self.fresh], "requeue", reason)
+        requeued = [j for j in running if j.id not in self.fresh]
+        self._release(requeued, ReleaseMode.REQUEUE, reason)
         self.engine.reset()
         self.fresh.clear()
 
-    def _release(self, jobs: list[Job], mode: str, why: str) -> None:
+    def _release(self, jobs: list[Job], mode: ReleaseMode, why: str) -> None:
         for job in jobs:
             job.status = Status.ENDING
             job.note = why
@@ -420,22 +426,23 @@ class Worker:
     def _handle_inbox(self) -> None:
         while True:
             try:
-                kind, value = self.inbox.get_nowait()
+                message = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "started":
-                self._on_started(value)
-            elif kind in ("ended", "settled"):
-                for job_id, outcome in value.items():
-                    self._settle(job_id, outcome)
-            elif kind == "cancel":
-                self._on_cancel(value)
-            elif kind == "write_failed":
-                self._on_write_failed(*value)
-            elif kind == "reaped":
-                self._abandon()
-            elif kind == "suspend":
-                self._suspend(value)
+            match message:
+                case Started(verdicts=verdicts):
+                    self._on_started(dict(verdicts))
+                case Ended(outcomes=outcomes) | Settled(outcomes=outcomes):
+                    for job_id, outcome in outcomes.items():
+                        self._settle(job_id, outcome)
+                case WriteFailed(job_id=job_id, why=why):
+                    self._on_write_failed(job_id, why)
+                case ("cancel", job_ids):
+                    self._on_cancel(job_ids)
+                case ("reaped", _):
+                    self._abandon()
+                case ("suspend", suspended):
+                    self._suspend(suspended)
 
     def _on_started(self, verdicts: dict[str, str]) -> None:
         for job_id, verdict in verdicts.items():
@@ -500,7 +507,7 @@ class Worker:
         """Give every job not running yet back to the queue's front, the prefetched ones
         too (a clean hand-back: no attempt is counted against them)."""
         self._add(self.prefetch.take())
-        self._release(self._buffered(), "clean", why)
+        self._release(self._buffered(), ReleaseMode.CLEAN, why)
 
     def _on_cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
@@ -509,7 +516,7 @@ class Worker:
                 continue
             if job.status is Status.BUFFERED:  # the release script ends it canceled
                 job.status = Status.ENDING
-                self.sink.release("requeue", [job_id])
+                self.sink.release(ReleaseMode.REQUEUE, [job_id])
             else:
                 self.engine.remove([job])
                 self._end(job, "canceled", job.cancel())
@@ -547,7 +554,7 @@ class Worker:
             if self.engine.active:
                 self._step()
         why = "second stop signal" if self._hard.is_set() else "grace period over"
-        self._release(self._running(), "clean", why)
+        self._release(self._running(), ReleaseMode.CLEAN, why)
         settle = time.monotonic() + SETTLE_S
         while self.jobs and time.monotonic() < settle:
             self._handle_inbox()
