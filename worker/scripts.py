@@ -1,37 +1,28 @@
-"""The worker's Lua scripts (``lua/``), one typed wrapper each.
+"""The worker's Lua scripts (``lua/``): their keys, and one typed wrapper each.
 
 A wrapper takes named arguments and returns a :class:`~mlxq.producer.scripts.Call`: the
 script's KEYS and ARGV in the order the script reads them (its header comment lists them),
 and the parser of its reply. Nothing else builds either list. Calls run one at a time
 (:func:`~mlxq.producer.scripts.call`) or several in one round trip
-(:func:`~mlxq.producer.scripts.run`).
-
-The writer's scripts (``chunks``, ``route``, ``end``, ``fail``, ``release``, ``start``) each
-reply with a part of the flush's :class:`~mlxq.worker.writes.FlushReply`; a reply saying
-the lease is not this worker's raises :class:`~mlxq.worker.errors.LeaseLost`, one saying
-Redis refused it for memory :class:`redis.exceptions.OutOfMemoryError`.
-"""
+(:func:`~mlxq.producer.scripts.run`). Here: the lease, roll and claim scripts; the
+writer's (``chunks``, ``route``, ``end``, ``fail``, ``release``, ``start``) are beside the
+one call that runs them, in :mod:`mlxq.worker.commit`."""
 
 from __future__ import annotations
 
-import base64
 import logging
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
-import redis
 from rq.utils import utcformat
 
 from mlxq.producer import keys
-from mlxq.producer.codec import MAX_JOB_DATA_BYTES, NOTICE, MsgpackSerializer, encode_chunk
-from mlxq.producer.outcome import Outcome, outcome_of
+from mlxq.producer.codec import MAX_JOB_DATA_BYTES, NOTICE
 from mlxq.producer.scripts import Arg, Call, Script, load
 from mlxq.worker.errors import LeaseLost
-from mlxq.worker.writes import ChunkWrite, End, FailWrite, FlushReply, ReleaseMode, StartWrite
 
 log = logging.getLogger("mlxq.worker")
 
@@ -115,7 +106,10 @@ class WorkerKeys:
         )
 
 
-def _call(name: str, keys_: list[str], args: list[Arg], parse: Callable[[Any], Any]) -> Call[Any]:
+def script_call(
+    name: str, keys_: list[str], args: list[Arg], parse: Callable[[Any], Any]
+) -> Call[Any]:
+    """A call of the worker's script ``name``."""
     return Call(SCRIPTS[name], keys_, args, parse)
 
 
@@ -124,17 +118,17 @@ def _call(name: str, keys_: list[str], args: list[Arg], parse: Callable[[Any], A
 
 def beat(k: WorkerKeys, token: str, lease_ms: int) -> Call[str]:
     """Keep the lease: ``ok``, ``renewed`` or ``reaped``."""
-    return _call("beat", [k.alive, k.roll, k.reaped], [token, k.worker, lease_ms], text)
+    return script_call("beat", [k.alive, k.roll, k.reaped], [token, k.worker, lease_ms], text)
 
 
 def giveback(k: WorkerKeys, token: str, cutoff_ms: int) -> Call[int]:
     """Jobs handed here before ``cutoff_ms`` and not claimed go back: how many."""
-    return _call("giveback", [k.alive, k.handed, k.wip, k.queue], [token, cutoff_ms], int)
+    return script_call("giveback", [k.alive, k.handed, k.wip, k.queue], [token, cutoff_ms], int)
 
 
 def leave(k: WorkerKeys, token: str, settled: bool) -> Call[tuple[str, int]]:
     """Leave for good: (``left`` | ``stays``, how many handed jobs went back)."""
-    return _call(
+    return script_call(
         "leave",
         [k.alive, k.roll, k.stats, k.handed, k.wip, k.queue],
         [token, k.worker, "1" if settled else ""],
@@ -149,7 +143,7 @@ def _reap_keys(k: WorkerKeys) -> list[str]:
 def rejoin(k: WorkerKeys, token: str, now: Now, lease_ms: int) -> Call[int]:
     """Start over under a new token: how many entries went back to the queue."""
     args: list[Arg] = [token, k.worker, now.ts, now.text, keys.DEFAULT_FAILURE_TTL, NOTICE]
-    return _call("rejoin", _reap_keys(k), [*args, lease_ms], int)
+    return script_call("rejoin", _reap_keys(k), [*args, lease_ms], int)
 
 
 def _reaped(out: Any) -> list[str] | None:
@@ -159,7 +153,7 @@ def _reaped(out: Any) -> list[str] | None:
 def reap(dead: WorkerKeys, seen: str | None, now: Now, marker_ttl: int) -> Call[list[str] | None]:
     """Requeue a dead worker's jobs: their ids, or None when it turned out alive."""
     args: list[Arg] = [dead.worker, seen or "", now.ts, now.text, keys.DEFAULT_FAILURE_TTL]
-    return _call("reap", _reap_keys(dead), [*args, NOTICE, marker_ttl], _reaped)
+    return script_call("reap", _reap_keys(dead), [*args, NOTICE, marker_ttl], _reaped)
 
 
 def refresh(
@@ -169,7 +163,7 @@ def refresh(
     args: list[Arg] = [token, now.ts, now.text, ttl]
     for job_id, execution_id in running:
         args += [job_id, execution_id]
-    return _call("refresh", [k.alive, k.started, k.rq_worker], args, lambda _: None)
+    return script_call("refresh", [k.alive, k.started, k.rq_worker], args, lambda _: None)
 
 
 # -- moving jobs (the prefetcher) ----------------------------------------------------------
@@ -222,7 +216,7 @@ def claim(
 ) -> Call[list[Claimed]]:
     """Claim up to ``n`` more jobs from the queue, plus ``moved`` (already in the WIP
     list); the reply raises :class:`LeaseLost` when the lease is not this worker's."""
-    return _call(
+    return script_call(
         "claim",
         [k.queue, k.wip, k.alive, k.canceled, k.handed],
         [
@@ -245,160 +239,9 @@ def hand(
 ) -> Call[str]:
     """Hand a claimed, unstarted job to worker ``to`` should it hold at most ``most``
     rows; ``ok`` or why not."""
-    return _call(
+    return script_call(
         "hand",
         [k.alive, k.wip, to.alive, to.wip, to.handed, to.stats, k.roll],
         [token, k.worker, job_id, to.worker, now_ms, ttl_ms, most],
         text,
     )
-
-
-# -- writing (the writer thread) -----------------------------------------------------------
-
-
-def _written(name: str, k: WorkerKeys, reply: Any) -> None:
-    if reply and reply[0] == b"lease":
-        raise LeaseLost(k.worker)
-    if reply and reply[0] == b"oom":
-        raise redis.exceptions.OutOfMemoryError(f"{name}: refused (out of memory)")
-
-
-def _healed(reply: list[Any], at: int) -> list[tuple[str, str]]:
-    """(id, what) for each entry of a script's reply that says it replaced a key."""
-    return [(text(e[0]), text(e[at])) for e in reply if len(e) > at and e[at]]
-
-
-def _zlib_text(reason: str) -> bytes:
-    return zlib.compress(reason.encode("utf-8", "replace"))
-
-
-def _chunks_written(k: WorkerKeys, reply: Any) -> FlushReply:
-    _written("chunks", k, reply)
-    p = reply[1]
-    return FlushReply(write_problems=[(text(p[i]), text(p[i + 1])) for i in range(0, len(p), 2)])
-
-
-def chunks(
-    k: WorkerKeys, token: str, stream_ttl: int, writes: Sequence[ChunkWrite]
-) -> Call[FlushReply]:
-    """Append chunks to their jobs' replay logs and publish them."""
-    args: list[Arg] = [token, stream_ttl]
-    for w in writes:
-        args += [w.job_id, w.chunk.seq, encode_chunk(w.chunk), 1 if w.refresh_ttl else 0]
-    return _call("chunks", [k.alive], args, partial(_chunks_written, k))
-
-
-def _routed(k: WorkerKeys, reply: Any) -> FlushReply:
-    _written("route", k, reply)
-    return FlushReply()
-
-
-def route(k: WorkerKeys, token: str, ttl: int, route_keys: Sequence[str]) -> Call[FlushReply]:
-    """Name this worker under conversations it finished, for ``ttl`` seconds."""
-    return _call("route", [k.alive], [token, k.worker, ttl, *route_keys], partial(_routed, k))
-
-
-def _ended(k: WorkerKeys, reply: Any) -> FlushReply:
-    _written("end", k, reply)
-    out = FlushReply(healed=_healed(reply, 3))
-    for e in reply:
-        out.ended[text(e[0])] = outcome_of(text(e[1]))
-        if len(e) > 2 and text(e[2]) not in ("ok", "dup"):
-            out.write_problems.append((text(e[0]), text(e[2])))
-    return out
-
-
-def _end_args(e: End) -> list[Arg]:
-    if e.outcome == Outcome.FINISHED:
-        value = base64.b64encode(MsgpackSerializer.dumps(e.result)).decode()
-        exc_info = b""
-    else:
-        exc_info = _zlib_text(e.reason)
-        value = base64.b64encode(exc_info).decode()
-    return [
-        e.job_id,
-        str(e.outcome),
-        e.execution_id,
-        value,
-        exc_info,
-        e.started_at,
-        e.final.seq,
-        encode_chunk(e.final),
-        encode_chunk(e.canceled),
-    ]
-
-
-def end(
-    k: WorkerKeys, token: str, now: Now, stream_ttl: int, ends: Sequence[End]
-) -> Call[FlushReply]:
-    """Commit the ends of running jobs."""
-    args: list[Arg] = [token, k.worker, now.ts, now.text, stream_ttl, keys.DEFAULT_RESULT_TTL]
-    args += [keys.DEFAULT_FAILURE_TTL, keys.MAX_RECORD_TTL]
-    for e in ends:
-        args += _end_args(e)
-    keys_ = [k.alive, k.started, k.rq_worker, k.execs, k.wip, k.finished, k.failed, k.canceled]
-    return _call("end", keys_, args, partial(_ended, k))
-
-
-_FAILED = {"failed": Outcome.FAILED, "canceled": Outcome.CANCELED}
-
-
-def _failed(k: WorkerKeys, reply: Any) -> FlushReply:
-    _written("fail", k, reply)
-    out = FlushReply(healed=_healed(reply, 2))
-    out.settled.update({text(e[0]): _FAILED.get(text(e[1]), Outcome.DROPPED) for e in reply})
-    return out
-
-
-def fail(
-    k: WorkerKeys, token: str, now: Now, stream_ttl: int, fails: Sequence[FailWrite]
-) -> Call[FlushReply]:
-    """Fail claimed jobs that never started, each with its error chunk."""
-    args: list[Arg] = [token, k.worker, now.ts, now.text, stream_ttl]
-    args += [keys.DEFAULT_FAILURE_TTL, keys.MAX_RECORD_TTL, NOTICE]
-    for f in fails:
-        exc = _zlib_text(f.reason)
-        args += [f.job_id, base64.b64encode(exc).decode(), exc, f.chunk.seq, encode_chunk(f.chunk)]
-    return _call("fail", [k.alive, k.wip, k.failed, k.canceled], args, partial(_failed, k))
-
-
-_RELEASED = {"requeued": Outcome.REQUEUED, "canceled": Outcome.CANCELED}
-
-
-def _released(k: WorkerKeys, ids: Sequence[str | bytes], reply: Any) -> FlushReply:
-    _written("release", k, reply)
-    return FlushReply(
-        settled={
-            text(job_id): _RELEASED.get(text(what), Outcome.DROPPED)
-            for job_id, what in zip(ids, reply, strict=True)
-        }
-    )
-
-
-def release(
-    k: WorkerKeys, token: str, now: Now, mode: ReleaseMode, ids: Sequence[str | bytes]
-) -> Call[FlushReply]:
-    """Give held jobs back to the queue's front, or drop their WIP entries."""
-    args: list[Arg] = [token, k.worker, now.ts, now.text, keys.DEFAULT_FAILURE_TTL, NOTICE]
-    return _call(
-        "release",
-        [k.alive, k.wip, k.queue, k.started, k.execs, k.canceled],
-        [*args, mode.value, *ids],
-        partial(_released, k, ids),
-    )
-
-
-def _started(k: WorkerKeys, reply: Any) -> FlushReply:
-    _written("start", k, reply)
-    return FlushReply(started={text(e[0]): text(e[1]) for e in reply}, healed=_healed(reply, 2))
-
-
-def start(
-    k: WorkerKeys, token: str, now: Now, ttl: int, starts: Sequence[StartWrite]
-) -> Call[FlushReply]:
-    """Start claimed jobs: rq's STARTED state, an execution each, StartedJobRegistry."""
-    args: list[Arg] = [token, k.worker, now.ts, now.text, ttl, keys.DEFAULT_FAILURE_TTL, NOTICE]
-    for s in starts:
-        args += [s.job_id, s.attempts_before, s.execution_id]
-    keys_ = [k.alive, k.started, k.rq_worker, k.execs, k.wip, k.canceled]
-    return _call("start", keys_, args, partial(_started, k))
