@@ -17,10 +17,9 @@ from typing import Any
 
 import redis
 from rq import Queue
-from rq.utils import utcformat
 
 from mlxq.producer import keys, scripts
-from mlxq.producer.codec import NOTICE, Chunk, MsgpackSerializer, decode_job_data
+from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_job_data
 from mlxq.producer.connection import TRANSIENT, backoff, connect
 from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
 from mlxq.producer.errors import QueueFull as QueueFull
@@ -312,14 +311,7 @@ def read_log(connection: redis.Redis, job_id: str, after: int) -> Any:
 
 def cancel_job(connection: redis.Redis, job_id: str) -> str:
     """Run the cancel script: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
-    dt = datetime.now(timezone.utc)
-    out = scripts.call(
-        connection,
-        "cancel",
-        [],
-        [job_id, dt.timestamp(), utcformat(dt), keys.DEFAULT_FAILURE_TTL, NOTICE],
-    )
-    return out.decode() if isinstance(out, bytes) else str(out)
+    return scripts.call(connection, scripts.cancel(job_id, datetime.now(timezone.utc)))
 
 
 def _latest_result(connection: redis.Redis, job_id: str) -> dict[bytes, bytes] | None:

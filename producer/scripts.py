@@ -1,42 +1,31 @@
-"""mlxq's Lua scripts: every multi-key change of a job's state, registered once.
+"""mlxq's Lua scripts: every multi-key change of a job's state, one atomic call each.
 
-Each script in ``lua/`` is sent as the key header (from :mod:`mlxq.producer.keys`), then
-``lib.lua``, then its own body, so key names have one source. Scripts run by SHA; after a
-Redis restart (which empties the script cache) they are loaded again and the call retried:
-every mlxq script is idempotent for that reason.
+Scripts live with the code that calls them: the producer's (``cancel``) in ``lua/`` here,
+the worker's in :mod:`mlxq.worker`'s ``lua/``. Each is sent as the key header (from
+:mod:`mlxq.producer.keys`), then the shared ``lib.lua`` (here), then its own body, so key
+names have one source. Each script has one typed wrapper beside it that owns its KEYS and
+ARGV order and parses its reply into a :class:`Call`; callers never build either list.
+Scripts run by SHA; after a Redis restart (which empties the script cache) they are loaded
+again and the call retried: every mlxq script is idempotent for that reason.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from importlib import resources
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import redis
+from rq.utils import utcformat
 
 from mlxq.producer import keys
-
-NAMES = (
-    "claim",
-    "start",
-    "chunks",
-    "end",
-    "fail",
-    "release",
-    "reap",
-    "beat",
-    "rejoin",
-    "refresh",
-    "cancel",
-    "hand",
-    "giveback",
-    "leave",
-    "route",
-)
+from mlxq.producer.codec import NOTICE
 
 Arg = str | bytes | int | float
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,43 +35,63 @@ class Script:
     sha: str
 
 
-def _load(name: str) -> Script:
-    folder = resources.files("mlxq.producer").joinpath("lua")
-    source = (
-        keys.lua_header()
-        + folder.joinpath("lib.lua").read_text("utf-8")
-        + folder.joinpath(f"{name}.lua").read_text("utf-8")
-    )
+def load(package: str, name: str) -> Script:
+    """The script ``lua/<name>.lua`` of ``package``, with the key header and ``lib.lua``."""
+    lib = resources.files("mlxq.producer").joinpath("lua", "lib.lua").read_text("utf-8")
+    body = resources.files(package).joinpath("lua", f"{name}.lua").read_text("utf-8")
+    source = keys.lua_header() + lib + body
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
-SCRIPTS: dict[str, Script] = {n: _load(n) for n in NAMES}
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One script call, built by the script's wrapper: its KEYS, its ARGV, and how its
+    reply reads."""
+
+    script: Script
+    keys: Sequence[str | bytes]
+    args: Sequence[Arg]
+    parse: Callable[[Any], T]
 
 
-def call(client: redis.Redis, name: str, keys_: Sequence[str | bytes], args: Sequence[Arg]) -> Any:
+def call(client: redis.Redis, one: Call[T]) -> T:
     """Run one script by SHA, loading it first if Redis does not have it."""
-    return run(client, [(name, keys_, args)])[0]
+    return cast(T, run(client, [one])[0])
 
 
-def run(
-    client: redis.Redis, calls: Sequence[tuple[str, Sequence[str | bytes], Sequence[Arg]]]
-) -> list[Any]:
-    """Run several scripts in one round trip, in order; their replies in the same order.
+def run(client: redis.Redis, calls: Sequence[Call[Any]]) -> list[Any]:
+    """Run several scripts in one round trip, in order; their parsed replies in the same
+    order (a parser that raises stops at that reply).
 
     Raises:
         redis.RedisError: a connection error, or a script that raised (a bug, not data).
     """
     for attempt in (0, 1):
         with client.pipeline(transaction=False) as pipe:
-            for name, k, a in calls:
-                pipe.execute_command("EVALSHA", SCRIPTS[name].sha, len(k), *k, *a)
+            for c in calls:
+                pipe.execute_command("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args)
             replies = pipe.execute(raise_on_error=False)
         if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            for name in {n for n, _, _ in calls}:
-                client.script_load(SCRIPTS[name].source)
+            for script in {c.script.name: c.script for c in calls}.values():
+                client.script_load(script.source)
             continue
         for r in replies:
             if isinstance(r, Exception):
                 raise r
-        return list(replies)
+        return [c.parse(r) for c, r in zip(calls, replies, strict=True)]
     raise AssertionError("unreachable")
+
+
+# -- the producer's scripts ---------------------------------------------------------------
+
+CANCEL = load("mlxq.producer", "cancel")
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def cancel(job_id: str, now: datetime) -> Call[str]:
+    """Cancel a job: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
+    args: list[Arg] = [job_id, now.timestamp(), utcformat(now), keys.DEFAULT_FAILURE_TTL, NOTICE]
+    return Call(CANCEL, [], args, _text)

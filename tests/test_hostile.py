@@ -393,8 +393,11 @@ def test_a_claimed_job_canceled_before_it_fails_to_start_ends_canceled(
 ):
     # The worker's own writer, driven step by step: claimed, canceled, then failed before
     # it starts (its ttl ran out, or it was invalid): cancel() said True, so it ends so.
-    from mlxq.worker.bridge import Bridge, Flush
+    from mlxq.worker.bridge import Bridge
+    from mlxq.worker.commit import commit
     from mlxq.worker.config import WorkerConfig
+    from mlxq.worker.jobs import unstarted_error
+    from mlxq.worker.writes import FailWrite, Flush
 
     client = Client(redis_server.url, queue=queue_name)
     job = client.submit("never runs", max_tokens=4, ttl=60)
@@ -404,7 +407,8 @@ def test_a_claimed_job_canceled_before_it_fails_to_start_ends_canceled(
         (claimed,) = bridge.claim(1)
         assert claimed.verdict == "ok" and claimed.id.decode() == job.id
         assert job.cancel() is True
-        reply = bridge.commit(Flush(fails=[(job.id, 0, "ttl expired: waited too long")]))
+        why = "ttl expired: waited too long"
+        reply = commit(bridge, Flush(fails=[FailWrite(job.id, why, unstarted_error(0, why))]))
         assert reply.settled == {job.id: "canceled"}
         assert job.status() == "canceled"
         assert [c.finish_reason for c in job.stream(timeout=10)][-1] == "canceled"

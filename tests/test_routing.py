@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from mlxq.producer import Client, keys
+from mlxq.worker.routing import Router
 
 SYSTEM = "You answer in the words of the harbour. " + " ".join(
     f"rule {i}: the boats come home at dawn and the nets are mended by noon." for i in range(12)
@@ -145,44 +146,44 @@ def handed(claimed, r):
     """The same, the turn handed to ``to``."""
     to, by, _, job = claimed
     _room(r, to.name, 1)
-    assert by.hand(job.id, to.name, 8) == "ok"
+    assert Router(by).hand(job.id, to.name, 8) == "ok"
     return claimed
 
 
 def test_a_job_is_handed_only_to_a_live_worker_with_room_and_only_once(claimed, queue_name, r):
     to, by, _, job = claimed
     _room(r, to.name, 0)
-    assert by.hand(job.id, to.name, 8) == "full"
+    assert Router(by).hand(job.id, to.name, 8) == "full"
     _room(r, to.name, "junk")
-    assert by.hand(job.id, to.name, 8) == "full"
+    assert Router(by).hand(job.id, to.name, 8) == "full"
     r.delete(keys.worker_stats_key(to.name))
     r.rpush(keys.worker_stats_key(to.name), "rogue")
-    assert by.hand(job.id, to.name, 8) == "full"
+    assert Router(by).hand(job.id, to.name, 8) == "full"
     r.delete(keys.worker_stats_key(to.name))
     _room(r, to.name, 3, load=9)
-    assert by.hand(job.id, to.name, 8) == "busy"
+    assert Router(by).hand(job.id, to.name, 8) == "busy"
     r.hdel(keys.worker_stats_key(to.name), "load")
-    assert by.hand(job.id, to.name, 8) == "busy"
+    assert Router(by).hand(job.id, to.name, 8) == "busy"
     r.set(keys.handed_key(to.name), "rogue")
     _room(r, to.name, 3, load=8)
-    assert by.hand(job.id, to.name, 8) == "keys"
+    assert Router(by).hand(job.id, to.name, 8) == "keys"
     r.delete(keys.handed_key(to.name))
-    assert by.hand(job.id, "nobody", 8) == "gone"
-    assert by.hand(job.id, by.name, 8) == "gone"
+    assert Router(by).hand(job.id, "nobody", 8) == "gone"
+    assert Router(by).hand(job.id, by.name, 8) == "gone"
     r.srem(keys.workers_key(queue_name), to.name)  # live, but serving another queue
-    assert by.hand(job.id, to.name, 8) == "gone"
+    assert Router(by).hand(job.id, to.name, 8) == "gone"
     r.sadd(keys.workers_key(queue_name), to.name)
-    assert by.hand(job.id, to.name, 8) == "ok"
+    assert Router(by).hand(job.id, to.name, 8) == "ok"
     assert to.wip() == [job.id.encode()] and not by.wip()
     stats = r.hgetall(keys.worker_stats_key(to.name))  # one row less, one job more
     assert stats[b"room"] == b"2" and stats[b"load"] == b"9"
     assert r.hget(keys.job_key(job.id), "mlxq_owner") is None
-    assert by.hand(job.id, to.name, 8) == "job"  # not the hander's any more
+    assert Router(by).hand(job.id, to.name, 8) == "job"  # not the hander's any more
     (c,) = to.claim(1)
     assert c.verdict == "ok" and c.handed and c.id.decode() == job.id
     assert r.zcard(keys.handed_key(to.name)) == 0
     _room(r, by.name, 1)
-    assert to.hand(job.id, by.name, 8) == "job"  # handed once, never on
+    assert Router(to).hand(job.id, by.name, 8) == "job"  # handed once, never on
 
 
 def test_a_handed_job_left_unclaimed_goes_back_to_the_queue_front(
@@ -199,7 +200,7 @@ def test_a_handed_job_left_unclaimed_goes_back_to_the_queue_front(
     assert r.lrange(keys.queue_key(queue_name), 0, -1) == [job.id.encode(), behind.id.encode()]
     (c,) = by.claim(1)  # whoever claims it now runs it: it is never handed again
     assert c.handed and c.id.decode() == job.id
-    assert by.hand(job.id, to.name, 8) == "job"
+    assert Router(by).hand(job.id, to.name, 8) == "job"
 
 
 def test_a_handed_job_canceled_before_it_is_claimed_ends_canceled(
@@ -235,7 +236,7 @@ def test_a_graceful_stop_gives_back_what_was_handed_and_not_claimed(
     _claimed_by(by, job)
     _claimed_by(by, other)
     _room(r, to.name, 1)
-    assert by.hand(other.id, to.name, 8) == "gone"
+    assert Router(by).hand(other.id, to.name, 8) == "gone"
 
 
 def test_a_worker_that_stops_holding_a_job_stays_on_the_roll_for_the_reaper(
@@ -268,8 +269,6 @@ def test_a_hand_whose_reply_is_lost_is_not_run_on_a_guess(bridges, redis_server,
     import redis as redis_py
 
     from mlxq.producer.params import GenerationRequest
-    from mlxq.worker.held import Held
-    from mlxq.worker.prefetch import Prefetcher
     from mlxq.worker.routing import continues
 
     to, by = bridges
@@ -279,25 +278,17 @@ def test_a_hand_whose_reply_is_lost_is_not_run_on_a_guess(bridges, redis_server,
     req = GenerationRequest(messages=TURN)
     r.set(continues(queue_name, req), to.name)  # ``to`` made the last reply
     _room(r, to.name, 4)
-    real_hand = by.hand
+    router = Router(by)
+    real_hand = router.hand
 
     def hand_then_lose_reply(*a):
         real_hand(*a)
         raise redis_py.ConnectionError("connection reset")
 
-    by.hand = hand_then_lose_reply
-    p = Prefetcher(
-        by,
-        None,  # type: ignore[arg-type]
-        lambda req: [1, 2, 3],
-        max_tokens_cap=64,
-        max_prompt_chars=10_000,
-        held=Held(),
-        routing=True,
-    )
-    p._resync = False
-    assert p._hand_off([(job.id, c, req)]) == []  # not kept to run here...
-    assert p._resync  # ...the WIP list, looked over next, says whose it is
+    router.hand = hand_then_lose_reply  # type: ignore[method-assign]
+    out = router.hand_off([(job.id, c, req)], 0)
+    assert out.kept == []  # not kept to run here...
+    assert out.unsure  # ...the WIP list, looked over next, says whose it is
     assert not by.wip() and to.wip() == [job.id.encode()]
 
 

@@ -271,3 +271,12 @@ class Job:
         # The one place a chunk of this job gets its seq.
         self.seq += 1
         return Chunk(self.seq, attempt=self.attempt, **kw)
+
+
+def unstarted_error(attempts_before: int, reason: str) -> Chunk:
+    """The error chunk of a job that fails before it starts: it opens a run of its own,
+    after the last one."""
+    attempt = attempts_before + 1
+    return Chunk(
+        first_seq(attempt), kind="error", finish_reason="error", attempt=attempt, error=reason
+    )

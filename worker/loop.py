@@ -25,7 +25,7 @@ from mlxq.batching.window import Window
 from mlxq.producer.codec import Chunk
 from mlxq.producer.outcome import Outcome
 from mlxq.worker import messages
-from mlxq.worker.bridge import Bridge, End
+from mlxq.worker.bridge import Bridge
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.engine import Engine
 from mlxq.worker.held import Held
@@ -36,6 +36,7 @@ from mlxq.worker.prefetch import Prefetcher, ttl_expired
 from mlxq.worker.prompt_cache import MIN_REUSE
 from mlxq.worker.routing import finished_as
 from mlxq.worker.sink import Sink
+from mlxq.worker.writes import ChunkWrite, End, ReleaseMode, StartWrite
 
 log = logging.getLogger("mlxq.worker")
 
@@ -161,7 +162,7 @@ class DecodeLoop:
                 log.warning(
                     "job %s: a second queue entry for a job this worker holds; dropped", job.id
                 )
-                self.sink.release("drop", [job.id])
+                self.sink.release(ReleaseMode.DROP, [job.id])
                 continue
             job.arrived_step = self.steps
             self.held.add(job)
@@ -186,8 +187,8 @@ class DecodeLoop:
                 )
                 continue
             exec_id = uuid.uuid4().hex
-            resets += [(job.id, c, True) for c in job.start(exec_id)]
-            starts.append((job.id, job.attempts_before, exec_id))
+            resets += [ChunkWrite(job.id, c, True) for c in job.start(exec_id)]
+            starts.append(StartWrite(job.id, job.attempts_before, exec_id))
             rows.append(job)
         self.sink.starts(starts)
         self.sink.chunks(resets)
@@ -239,20 +240,20 @@ class DecodeLoop:
         self.fresh.clear()
         now = time.monotonic()
         self.metrics.step(now, touched)
-        chunks: list[tuple[str, Chunk, bool]] = []
+        chunks: list[ChunkWrite] = []
         ends: list[tuple[Job, Chunk]] = []
         for job in touched:
             if job.status is not Status.RUNNING:
                 continue
             if job.all_finished:
                 owed, final = job.finish()
-                chunks += [(job.id, c, False) for c in owed]
+                chunks += [ChunkWrite(job.id, c, False) for c in owed]
                 ends.append((job, final))
             else:
                 due = job.chunks_due(now, self.interval)
                 if due:
                     expire = self._refresh_ttl(job, now)
-                    chunks += [(job.id, c, expire) for c in due]
+                    chunks += [ChunkWrite(job.id, c, expire) for c in due]
         self.sink.chunks(chunks)
         for job, final in ends:  # after their chunks, so each job's end comes last
             self._end(job, Outcome.FINISHED, final)
@@ -274,7 +275,7 @@ class DecodeLoop:
         self.sink.end(
             End(
                 job.id,
-                outcome,
+                Outcome(outcome),
                 job.execution_id,
                 job.started_at,
                 final,
@@ -299,11 +300,12 @@ class DecodeLoop:
         )
         for job in suspects:
             self._end(job, Outcome.FAILED, job.fail(reason))
-        self._release([j for j in running if j.id not in self.fresh], "requeue", reason)
+        requeued = [j for j in running if j.id not in self.fresh]
+        self._release(requeued, ReleaseMode.REQUEUE, reason)
         self.engine.reset()
         self.fresh.clear()
 
-    def _release(self, jobs: list[Job], mode: str, why: str) -> None:
+    def _release(self, jobs: list[Job], mode: ReleaseMode, why: str) -> None:
         for job in jobs:
             job.status = Status.ENDING
             job.note = why
@@ -375,7 +377,7 @@ class DecodeLoop:
         """Give every job not running yet back to the queue's front, the prefetched ones
         too (a clean hand-back: no attempt is counted against them)."""
         self._add(self.prefetch.take())
-        self._release(self.held.jobs(Status.BUFFERED), "clean", why)
+        self._release(self.held.jobs(Status.BUFFERED), ReleaseMode.CLEAN, why)
 
     def _on_cancel(self, job_ids: tuple[str, ...]) -> None:
         for job_id in job_ids:
@@ -384,7 +386,7 @@ class DecodeLoop:
                 continue
             if job.status is Status.BUFFERED:  # the release script ends it canceled
                 job.status = Status.ENDING
-                self.sink.release("requeue", [job_id])
+                self.sink.release(ReleaseMode.REQUEUE, [job_id])
             else:
                 self.engine.remove([job])
                 self._end(job, Outcome.CANCELED, job.cancel())
@@ -426,7 +428,7 @@ class DecodeLoop:
             if self.engine.active:
                 self._step()
         why = "second stop signal" if self._hard.is_set() else "grace period over"
-        self._release(self.held.jobs(Status.RUNNING), "clean", why)
+        self._release(self.held.jobs(Status.RUNNING), ReleaseMode.CLEAN, why)
         settle = time.monotonic() + SETTLE_S
         while len(self.held) and time.monotonic() < settle:
             self._handle_inbox()

@@ -7,7 +7,7 @@ When the queue is empty it blocks on it, so an idle worker hears of a job at onc
 that cannot run (unreadable, invalid, too long, past its ttl) fails here, by its reason,
 through the writer; it never reaches the decode loop. A chat turn whose history another
 worker holds in its prompt cache is handed to that worker here, before it is tokenized
-(:mod:`mlxq.worker.routing`).
+(:class:`mlxq.worker.routing.Router`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ import redis
 from mlxq.producer.codec import decode_job_data
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
-from mlxq.worker.bridge import HAND_SHARE, HAND_SLACK, Bridge, Claimed, LeaseLost
+from mlxq.worker.bridge import Bridge
+from mlxq.worker.errors import LeaseLost
 from mlxq.worker.held import Held
 from mlxq.worker.jobs import Job
 from mlxq.worker.logs import job_event
-from mlxq.worker.routing import continues
+from mlxq.worker.routing import Router
+from mlxq.worker.scripts import Claimed
 from mlxq.worker.sink import Sink
 from mlxq.worker.threads import Helper
+from mlxq.worker.writes import ReleaseMode
 
 log = logging.getLogger("mlxq.worker")
 
@@ -115,6 +118,7 @@ class Prefetcher(Helper):
         self.max_tokens_cap, self.held = max_tokens_cap, held
         self.max_prompt_chars = max_prompt_chars
         self.routing = routing
+        self.router = Router(bridge)
         self.want = 0
         self.failed = 0
         self.handed = 0  # jobs handed to another worker
@@ -190,11 +194,12 @@ class Prefetcher(Helper):
             return
         claimed = self.bridge.claim(need)
         if not claimed:
+            self.router.note_blocker()
             first = self.bridge.wait_for_job()
             if first is None:
                 return
             if self._stop.is_set():  # stopping: hand it straight back
-                self.sink.release("requeue", [first])
+                self.sink.release(ReleaseMode.REQUEUE, [first])
                 return
             claimed = self.bridge.claim(need - 1, [first])
         self._accept(claimed)
@@ -213,14 +218,16 @@ class Prefetcher(Helper):
                 claimed += self.bridge.claim(0, [raw])
             except redis.ResponseError as e:
                 log.error("dropped queue entry %r: its claim raised (%s)", raw[:80], e)
-                self.sink.release("drop", [raw])
+                self.sink.release(ReleaseMode.DROP, [raw])
         return claimed
 
     def _accept(self, claimed: list[Claimed]) -> None:
         checked = [x for c in claimed if (x := self._check(c)) is not None]
         self.handed_in += sum(c.handed for _, c, _ in checked)
         if self.routing:
-            checked = self._hand_off(checked)
+            hand = self.router.hand_off(checked, self.held.load())
+            checked, self.handed = hand.kept, self.handed + hand.handed
+            self._resync = self._resync or hand.unsure
         ready = [job for x in checked if (job := self._encode(*x)) is not None]
         if ready:
             with self._cond:
@@ -228,63 +235,20 @@ class Prefetcher(Helper):
                 self.held.ready(j.id for j in ready)
                 self._cond.notify_all()
 
-    def _hand_off(
-        self, checked: list[tuple[str, Claimed, GenerationRequest]]
-    ) -> list[tuple[str, Claimed, GenerationRequest]]:
-        """Hand each chat turn whose history another live worker with free rows holds to
-        it; the rest stay. A hand-off that cannot be made leaves the job here; one whose
-        reply was lost leaves it to the next look over the WIP list."""
-        queue = self.bridge.queue_name
-        wanted = [
-            (i, k)
-            for i, (_, c, req) in enumerate(checked)
-            if not c.handed and (k := continues(queue, req)) is not None
-        ]
-        if not wanted:
-            return checked
-        gone: set[int] = set()
-        try:
-            owners = self.bridge.routes([k for _, k in wanted])
-            # What this worker will hold once the jobs it keeps of this claim are in.
-            load = self.held.load() + len(checked)
-            for (i, _), to in zip(wanted, owners, strict=True):
-                if to is None or to == self.bridge.name:
-                    continue
-                job_id, c, _ = checked[i]
-                most = int((load - len(gone) - 1) * HAND_SHARE) + HAND_SLACK
-                try:
-                    verdict = self.bridge.hand(job_id, to, most)
-                except (redis.ConnectionError, redis.TimeoutError):
-                    # Its reply lost, the job may have gone: it does not run here on a guess
-                    # (should it come back, a second claim of it would drop its only WIP
-                    # entry). The WIP list, looked over next turn, says whether it is ours.
-                    gone.add(i)
-                    self._resync = True
-                    raise
-                if verdict != "ok":
-                    continue
-                gone.add(i)
-                self.handed += 1
-                job_event(log, "handed", job_id, queue, c.attempts + 1, logging.DEBUG, to=to)
-                self.bridge.wake(to, job_id)
-        except Exception as e:  # the jobs not yet handed run here, as without routing
-            log.warning("prefetch: handing chat turns on failed (%s); running them here", e)
-        return [x for i, x in enumerate(checked) if i not in gone]
-
     def _check(self, c: Claimed) -> tuple[str, Claimed, GenerationRequest] | None:
         """A claimed job's id and checked request, or None when it cannot run (failed or
         dropped here, by its reason)."""
         job_id = _readable_id(c.id)
         if job_id is None:
             log.warning("dropped queue entry %r: not a job id", c.id[:80])
-            self.sink.release("drop", [c.id])
+            self.sink.release(ReleaseMode.DROP, [c.id])
             return None
         if c.verdict != "ok":
             self._refused(job_id, c)
             return None
         if self.held.runs(job_id):
             log.warning("job %s: a second queue entry for a job this worker holds; dropped", job_id)
-            self.sink.release("drop", [job_id])
+            self.sink.release(ReleaseMode.DROP, [job_id])
             return None
         try:
             req = decode_request(c.data, self.max_tokens_cap)

@@ -1,12 +1,12 @@
 """The ordered writer: everything the decode loop decides goes to Redis from this thread.
 
-The decode thread never waits on Redis. It hands over starts, chunks, ends, failures and
-hand-backs; this thread writes whatever queued up since its last write in one round trip
-(:class:`~mlxq.worker.bridge.Flush`), in order. A start closes a flush: its reply (the job
-may have been canceled or taken meanwhile) is known before anything later of that job is
-written. During an outage or under Redis OOM it retries the same flush, in order, until
-it lands; running rows keep decoding meanwhile. Replies go back through ``inbox``.
-"""
+The decode thread never waits on Redis. It hands over typed writes (starts, chunks, ends,
+failures and hand-backs: :mod:`mlxq.worker.writes`); this thread writes whatever queued up
+since its last write in one round trip (a :class:`~mlxq.worker.writes.Flush`), in order.
+A start closes a flush: its reply (the job may have been canceled or taken meanwhile) is
+known before anything later of that job is written. During an outage or under Redis OOM
+it retries the same flush, in order, until it lands; running rows keep decoding meanwhile.
+Replies go back through ``inbox`` (:mod:`mlxq.worker.messages`)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,29 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import redis
 
-from mlxq.producer.codec import Chunk
 from mlxq.producer.connection import TRANSIENT, Outage, retry_forever
-from mlxq.producer.outcome import Outcome, outcome_of
-from mlxq.worker.bridge import Bridge, End, Flush, FlushReply, LeaseLost
+from mlxq.producer.outcome import Outcome
+from mlxq.worker.bridge import Bridge
+from mlxq.worker.commit import commit
+from mlxq.worker.errors import LeaseLost
+from mlxq.worker.jobs import unstarted_error
 from mlxq.worker.messages import Ended, Inbox, Settled, Started, WriteFailed
+from mlxq.worker.writes import (
+    ChunkWrite,
+    End,
+    FailWrite,
+    Flush,
+    FlushReply,
+    Release,
+    ReleaseMode,
+    StartWrite,
+    Write,
+    ids_of,
+)
 
 log = logging.getLogger("mlxq.worker")
 
@@ -38,10 +51,15 @@ class _Stop(Exception):
 
 @dataclass(frozen=True, slots=True)
 class _Op:
+    """Writes handed over in one call (a start closes a flush: all of a call's starts
+    share one), under the lease of ``epoch``."""
+
     epoch: int
-    kind: str  # chunks | end | fail | release | start
-    job_ids: tuple[str, ...]
-    payload: Any
+    writes: tuple[Write, ...]
+
+    @property
+    def job_ids(self) -> tuple[str, ...]:
+        return tuple(j for w in self.writes for j in ids_of(w))
 
 
 class Sink:
@@ -49,9 +67,8 @@ class Sink:
 
     Args:
         bridge: The worker's Redis.
-        inbox: Where replies go: :class:`~mlxq.worker.messages.Started`,
-            :class:`~mlxq.worker.messages.Ended`, :class:`~mlxq.worker.messages.Settled`
-            (failed before start, or handed back), :class:`~mlxq.worker.messages.WriteFailed`.
+        inbox: Where replies go: :class:`Started` (start verdicts), :class:`Ended`,
+            :class:`Settled` (failed before start, or handed back), :class:`WriteFailed`.
         on_lease_lost: Called when a write was refused for the lease (ask for a beat now).
     """
 
@@ -77,28 +94,29 @@ class Sink:
 
     # -- called by the decode loop (and the prefetcher, for jobs that never started) ----
 
-    def starts(self, entries: list[tuple[str, int, str]]) -> None:
-        if entries:
-            self._put("start", tuple(e[0] for e in entries), entries)
+    def starts(self, writes: list[StartWrite]) -> None:
+        if writes:
+            self._put(*writes)
 
-    def chunks(self, entries: list[tuple[str, Chunk, bool]]) -> None:
-        if entries:
-            self._put("chunks", tuple(e[0] for e in entries), entries)
+    def chunks(self, writes: list[ChunkWrite]) -> None:
+        if writes:
+            self._put(*writes)
 
     def end(self, end: End) -> None:
-        self._put("end", (end.job_id,), end)
+        self._put(end)
 
-    def fail(self, job_id: str, attempts: int, reason: str) -> None:
-        self._put("fail", (job_id,), (job_id, attempts, reason))
+    def fail(self, job_id: str, attempts_before: int, reason: str) -> None:
+        """Fail a claimed job that never started, by ``reason``."""
+        self._put(FailWrite(job_id, reason, unstarted_error(attempts_before, reason)))
 
-    def release(self, mode: str, job_ids: list[str | bytes]) -> None:
+    def release(self, mode: ReleaseMode, job_ids: list[str | bytes]) -> None:
         """Hand jobs back (``requeue``, ``clean``) or drop WIP entries (``drop``; ids may
         be raw bytes that are no text)."""
         if job_ids:
-            self._put("release", tuple(str(j) for j in job_ids), (mode, job_ids))
+            self._put(Release(mode, tuple(job_ids)))
 
-    def _put(self, kind: str, job_ids: tuple[str, ...], payload: Any) -> None:
-        self._q.put(_Op(self.bridge.epoch, kind, job_ids, payload))
+    def _put(self, *writes: Write) -> None:
+        self._q.put(_Op(self.bridge.epoch, writes))
 
     def refresh_ttls(self) -> None:
         """Set every log's TTL again with its next chunk (Redis may have lost them)."""
@@ -144,7 +162,7 @@ class Sink:
             if batches[-1] and batches[-1][-1].epoch != op.epoch:
                 batches.append([])
             batches[-1].append(op)
-            if op.kind == "start":
+            if isinstance(op.writes[0], StartWrite):
                 batches.append([])
         return [b for b in batches if b]
 
@@ -171,54 +189,50 @@ class Sink:
         are idempotent: what a raising call wrote before it raised is written again)."""
         per: dict[str, list[_Op]] = {}
         for op in ops:
-            if op.kind in ("chunks", "start"):
-                for entry in op.payload:
-                    per.setdefault(entry[0], []).append(
-                        _Op(op.epoch, op.kind, (entry[0],), [entry])
-                    )
-            elif op.kind == "release":
-                mode, ids = op.payload
-                for raw in ids:
-                    per.setdefault(str(raw), []).append(
-                        _Op(op.epoch, op.kind, (str(raw),), (mode, [raw]))
-                    )
-            else:
-                per.setdefault(op.job_ids[0], []).append(op)
+            for w in op.writes:
+                match w:
+                    case Release(mode=mode, job_ids=ids):
+                        for raw in ids:
+                            per.setdefault(str(raw), []).append(
+                                _Op(op.epoch, (Release(mode, (raw,)),))
+                            )
+                    case _:
+                        per.setdefault(w.job_id, []).append(_Op(op.epoch, (w,)))
         return list(per.values())
 
     def _give_up(self, ops: list[_Op], error: Exception) -> None:
         """One job's writes keep raising: drop them with the reason, and tell the decode
         loop, so the job leaves this worker (it fails if it still runs)."""
-        for op in ops:
-            for job_id in op.job_ids:
-                log.error("job %s: its %s write raised (%s); dropped", job_id, op.kind, error)
-                if op.kind == "chunks":
-                    self.inbox.put(WriteFailed(job_id, f"{type(error).__name__}: {error}"))
-                elif op.kind == "start":
-                    self._void[job_id] = None
-                    self.inbox.put(Started({job_id: "refused"}))
-                else:
-                    self.inbox.put(Settled({job_id: Outcome.DROPPED}))
+        for w in (w for op in ops for w in op.writes):
+            for job_id in ids_of(w):
+                log.error("job %s: its %s write raised (%s); dropped", job_id, w.kind, error)
+                match w:
+                    case ChunkWrite():
+                        self.inbox.put(WriteFailed(job_id, f"{type(error).__name__}: {error}"))
+                    case StartWrite():
+                        self._void[job_id] = None
+                        self.inbox.put(Started({job_id: "refused"}))
+                    case _:
+                        self.inbox.put(Settled({job_id: Outcome.DROPPED}))
 
     def _flush_of(self, ops: list[_Op]) -> Flush:
         f = Flush()
+        ttl_lost = self._ttl_done < self._ttl_wanted
         for op in ops:
             if op.epoch != self.bridge.epoch:
                 continue  # written for a lease this worker lost: void
-            if op.kind == "start":
-                f.starts += op.payload
-            elif op.kind == "chunks":
-                f.chunks += [
-                    (j, c, expire or self._ttl_done < self._ttl_wanted)
-                    for j, c, expire in op.payload
-                    if j not in self._void
-                ]
-            elif op.kind == "end" and op.payload.job_id not in self._void:
-                f.ends.append(op.payload)
-            elif op.kind == "fail":
-                f.fails.append(op.payload)
-            elif op.kind == "release":
-                f.releases.append(op.payload)
+            for w in op.writes:
+                match w:
+                    case StartWrite():
+                        f.starts.append(w)
+                    case ChunkWrite() if w.job_id not in self._void:
+                        f.chunks.append(replace(w, refresh_ttl=True) if ttl_lost else w)
+                    case End() if w.job_id not in self._void:
+                        f.ends.append(w)
+                    case FailWrite():
+                        f.fails.append(w)
+                    case Release():
+                        f.releases.append(w)
         return f
 
     def _commit(self, ops: list[_Op]) -> None:
@@ -230,7 +244,7 @@ class Sink:
             if not flush:
                 return None
             try:
-                reply = self.bridge.commit(flush)
+                reply = commit(self.bridge, flush)
             except LeaseLost:
                 # A lease gone may be a Redis that restarted empty, its logs with it.
                 self.refresh_ttls()
@@ -256,9 +270,9 @@ class Sink:
         if reply.started:
             self.inbox.put(Started(reply.started))
         if reply.ended:
-            self.inbox.put(Ended({j: outcome_of(o) for j, o in reply.ended.items()}))
+            self.inbox.put(Ended(reply.ended))
         if reply.settled:
-            self.inbox.put(Settled({j: outcome_of(o) for j, o in reply.settled.items()}))
+            self.inbox.put(Settled(reply.settled))
         for job_id, what in reply.healed:
             log.warning("job %s: replaced a key of the wrong type: %s", job_id, what)
         for problem in reply.write_problems:

@@ -75,6 +75,23 @@ local function end_execution(id, exec, started, worker_execs)
   if worker_execs ~= nil then redis.call('SREM', worker_execs, composite) end
 end
 
+-- Append a run's outcome to rq's result log of job ``id`` (rq's Result: ``kind`` 1 for a
+-- return value, 2 for a failure, under ``field``), the log kept ``ttl`` seconds. ``exec``
+-- nil: the job never ran, no execution is named.
+local function add_result(id, kind, worker, field, value, exec, started_ts, ended_ts, ttl)
+  local results = K_RESULTS .. id
+  local entry = {'type', kind, 'worker_name', worker, field, value}
+  if exec ~= nil then
+    for _, v in ipairs({'execution_id', exec, 'execution_started_at', started_ts}) do
+      entry[#entry + 1] = v
+    end
+  end
+  entry[#entry + 1] = 'execution_ended_at'
+  entry[#entry + 1] = ended_ts
+  redis.call('XADD', results, 'MAXLEN', '~', 10, '*', unpack(entry))
+  redis.call('EXPIRE', results, ttl)
+end
+
 -- Record a job as canceled (rq's CanceledJobRegistry) and nudge its listeners.
 local function mark_canceled(id, origin_canceled, failure_ttl, now_ts, now_str, notice, max_ttl)
   local jk = jkey(id)

@@ -39,24 +39,17 @@ for i = 9, #ARGV, 9 do
   else
     if f[3] == '1' then outcome, chunk = 'canceled', ARGV[i + 8] end
     end_execution(id, exec, started, worker_execs)
-    local results = K_RESULTS .. id
     if outcome == 'finished' then
       local ttl = record_ttl(f[5], result_ttl, max_ttl)
       redis.call('HSET', jk, 'status', 'finished', 'ended_at', now_str)
-      redis.call('XADD', results, 'MAXLEN', '~', 10, '*', 'type', 1, 'worker_name', worker,
-                 'return_value', value, 'execution_id', exec,
-                 'execution_started_at', started_ts, 'execution_ended_at', now_ts)
-      redis.call('EXPIRE', results, ttl)
+      add_result(id, 1, worker, 'return_value', value, exec, started_ts, now_ts, ttl)
       redis.call('ZADD', finished, now_ts + ttl, id)
       redis.call('EXPIRE', jk, ttl)
       n_ok = n_ok + 1
     elseif outcome == 'failed' then
       local ttl = record_ttl(f[6], failure_ttl, max_ttl)
       redis.call('HSET', jk, 'status', 'failed', 'ended_at', now_str, 'exc_info', exc_info)
-      redis.call('XADD', results, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', worker,
-                 'exc_string', value, 'execution_id', exec,
-                 'execution_started_at', started_ts, 'execution_ended_at', now_ts)
-      redis.call('EXPIRE', results, ttl)
+      add_result(id, 2, worker, 'exc_string', value, exec, started_ts, now_ts, ttl)
       redis.call('ZADD', failed, now_ts + ttl, id)
       redis.call('EXPIRE', jk, ttl)
       n_failed = n_failed + 1

@@ -35,11 +35,8 @@ for i = 9, #ARGV, 5 do
     probed = true
     redis.call('HSET', jk, 'status', 'failed', 'ended_at', now_str, 'exc_info', ARGV[i + 2])
     local ttl = record_ttl(f[3], failure_ttl, max_ttl)
-    local results = K_RESULTS .. id
     redis.call('DEL', K_STREAM .. id)  -- it never ran: anything there is not its own
-    redis.call('XADD', results, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', worker,
-               'exc_string', ARGV[i + 1], 'execution_ended_at', now_ts)
-    redis.call('EXPIRE', results, ttl)
+    add_result(id, 2, worker, 'exc_string', ARGV[i + 1], nil, nil, now_ts, ttl)
     redis.call('ZADD', failed, now_ts + ttl, id)
     redis.call('EXPIRE', jk, ttl)
     write_chunk(id, ARGV[i + 3], ARGV[i + 4], stream_ttl, true)

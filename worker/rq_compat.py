@@ -1,0 +1,91 @@
+"""rq's own maintenance, made safe for records mlxq does not trust.
+
+rq's registry cleanup fetches whole job records and inflates their ``data`` and
+``exc_info``; a worker runs it for its queue (:func:`sweep`) with every job read bounded
+(:class:`BoundedJob`), so a forged record can neither exhaust memory nor name code to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job as RqJob
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+
+from mlxq.producer.codec import MAX_JOB_DATA_BYTES, MsgpackSerializer
+from mlxq.worker.scripts import text
+
+log = logging.getLogger("mlxq.worker")
+
+_CALLBACKS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
+
+
+def _inflates_past(raw: bytes, limit: int) -> bool:
+    try:
+        inflater = zlib.decompressobj()
+        inflater.decompress(raw, limit)
+    except zlib.error:
+        return False  # stored as is (rq's fallback); its size was checked already
+    return bool(inflater.unconsumed_tail)
+
+
+class BoundedJob(RqJob):
+    """rq's Job read with limits, for rq's registry cleanup, which fetches whole job
+    records and inflates their ``data`` and ``exc_info``: a record with a field larger
+    than :data:`MAX_JOB_DATA_BYTES` or inflating past it (a zlib bomb), naming a callback
+    to import (mlxq jobs have none), or of the wrong type reads as no job at all, so the
+    cleanup skips it (its expired entry is dropped with the others)."""
+
+    def _refuse(self, why: str) -> NoSuchJobError:
+        log.warning("sweep: skipped job %s: %s", self.id, why)
+        return NoSuchJobError(why)
+
+    def refresh(self) -> None:
+        try:
+            with self.connection.pipeline(transaction=False) as p:
+                p.hstrlen(self.key, "data")
+                p.hstrlen(self.key, "exc_info")
+                sizes = p.execute()
+            if max(sizes) > MAX_JOB_DATA_BYTES:
+                raise self._refuse(f"a field of {max(sizes)} bytes")
+            super().refresh()
+        except redis.ResponseError as e:
+            raise self._refuse(f"its record cannot be read ({e})") from None
+
+    def restore(self, raw_data: Any) -> Any:
+        fields = {text(k): v for k, v in raw_data.items()}
+        for name in ("data", "exc_info"):
+            v = fields.get(name)
+            if isinstance(v, bytes) and len(v) > MAX_JOB_DATA_BYTES:
+                raise self._refuse(f"its {name} is {len(v)} bytes")
+            if isinstance(v, bytes) and _inflates_past(v, MAX_JOB_DATA_BYTES):
+                raise self._refuse(f"its {name} inflates past {MAX_JOB_DATA_BYTES} bytes")
+        if any(fields.get(c) for c in _CALLBACKS):
+            raise self._refuse("it names a callback")
+        return super().restore(raw_data)
+
+
+class _BoundedStartedRegistry(StartedJobRegistry):
+    """rq's StartedJobRegistry whose cleanup reads jobs (and their dependents) bounded."""
+
+    def get_queue(self) -> Queue:
+        return Queue(
+            self.name, connection=self.connection, serializer=self.serializer, job_class=BoundedJob
+        )
+
+
+def sweep(connection: redis.Redis, queue: str) -> None:
+    """rq's registry maintenance for ``queue``, with every job read bounded: expired
+    entries leave the finished and failed registries; expired started ones (a run whose
+    worker vanished unseen) end failed, as rq's own cleanup does. rq's ready registry is
+    left alone: recovering it fetches jobs unbounded, and mlxq jobs never wait on
+    dependencies."""
+    kw: dict[str, Any] = {"name": queue, "connection": connection, "serializer": MsgpackSerializer}
+    FinishedJobRegistry(**kw).cleanup()
+    _BoundedStartedRegistry(job_class=BoundedJob, **kw).cleanup()
+    FailedJobRegistry(**kw).cleanup()
