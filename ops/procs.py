@@ -71,11 +71,14 @@ def start_worker(
     *,
     env: Mapping[str, str] | None = None,
     started: list[subprocess.Popen[bytes]] | None = None,
+    exe: str | None = None,
 ) -> tuple[str, subprocess.Popen[bytes]]:
     """``mlxq worker`` serving ``queue`` (with ``extra`` options), returned once ``mlxq
     info`` lists it: its name and process. The process joins ``started`` at once, so a
-    caller's cleanup stops it even when it never comes up."""
-    exe = str(MLXQ) if MLXQ.exists() else shutil.which("mlxq") or sys.exit("mlxq not found")
+    caller's cleanup stops it even when it never comes up. ``exe``: another install's
+    ``mlxq`` (default: this one's)."""
+    if exe is None:
+        exe = str(MLXQ) if MLXQ.exists() else shutil.which("mlxq") or sys.exit("mlxq not found")
     name = f"bench-{uuid.uuid4().hex[:8]}"
     cmd = [exe, "worker", "--model", str(model), "--redis-url", url, "--queue", queue]
     with log.open("wb") as out:
