@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -21,8 +21,12 @@ from mlxq.producer.connection import TRANSIENT, backoff, connect_async
 from mlxq.producer.job import Job, end_of
 from mlxq.producer.mux import RESYNC, AsyncSubscriber
 from mlxq.producer.outcome import TERMINAL, job_status
+from mlxq.producer.params import SubmitOptions
 from mlxq.producer.result import Result, latest_fields
 from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, WAIT, Follow
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class AsyncJob:
@@ -107,9 +111,9 @@ class AsyncClient:
         self.subscriber = AsyncSubscriber(self.aredis)
         self.queue_name = queue
 
-    async def submit(self, prompt: str | None = None, **kw: Any) -> AsyncJob:
+    async def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> AsyncJob:
         """Queue one job; the arguments of :meth:`Client.submit`."""
-        job = await asyncio.to_thread(self._sync.submit, prompt, **kw)
+        job = await asyncio.to_thread(self._sync.submit, prompt, **options)
         return AsyncJob(self, job)
 
     async def submit_many(self, jobs: Sequence[Mapping[str, Any]]) -> list[AsyncJob]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from rq import Queue
@@ -24,7 +24,7 @@ from mlxq.producer.job import end_of as end_of
 from mlxq.producer.job import read_end as read_end
 from mlxq.producer.job import read_log as read_log
 from mlxq.producer.mux import Subscriber
-from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, check_names
+from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, SubmitOptions, check_names
 from mlxq.producer.result import MAX_REASON_BYTES as MAX_REASON_BYTES
 from mlxq.producer.result import Choice as Choice
 from mlxq.producer.result import Result as Result
@@ -34,6 +34,9 @@ from mlxq.producer.result import latest_value as latest_value
 from mlxq.producer.result import reason_of as reason_of
 from mlxq.producer.result import value_of as value_of
 from mlxq.producer.validate import integer_in
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 DEFAULT_REDIS_URL = keys.DEFAULT_REDIS_URL
 DEFAULT_RESULT_TTL = keys.DEFAULT_RESULT_TTL
@@ -121,12 +124,13 @@ class Client:
         self.max_queued = max_queued
         self._queue = Queue(queue, connection=self.redis, serializer=MsgpackSerializer)
 
-    def submit(self, prompt: str | None = None, **options: Any) -> Job:
+    def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> Job:
         """Queue one generation job.
 
         Its keyword arguments are the fields of
         :class:`~mlxq.producer.params.GenerationRequest` (and of its sampling and
-        logits groups) that declare themselves submit options.
+        logits groups) that declare themselves submit options; their types are
+        :class:`~mlxq.producer.params.SubmitOptions`.
 
         Args:
             prompt: Raw text, tokenized as is. Give exactly one of prompt / messages.
@@ -180,7 +184,8 @@ class Client:
         :meth:`submit`'s keyword arguments. All are checked before any is sent.
 
         Args:
-            jobs: One map of :meth:`submit` arguments per job.
+            jobs: One map of :meth:`submit` arguments per job (typed, for a checker, by
+                annotating them :class:`~mlxq.producer.params.JobOptions`).
             job_ids: The jobs' ids, chosen by the caller (letters, digits, ``_`` and
                 ``-``), so it can record them before submitting (``mlxq run-batch`` does,
                 to re-attach after a crash instead of submitting again). Each must be
