@@ -2,7 +2,7 @@
 its end.
 
 :meth:`Job.stream` is the sync shell of the follow protocol (:mod:`mlxq.producer.stream`);
-:func:`read_log` and :func:`end_of` are the reads the async shell shares.
+the async shell shares :func:`end_of`, and ``mlxq cancel`` and run-batch :func:`cancel_job`.
 """
 
 from __future__ import annotations
