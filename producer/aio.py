@@ -10,28 +10,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from mlxq.producer import keys
-from mlxq.producer.client import (
-    DEFAULT_REDIS_URL,
-    Client,
-    Job,
-    Result,
-    _status,
-    end_of,
-    latest_fields,
-)
+from mlxq.producer.client import DEFAULT_REDIS_URL, Client
 from mlxq.producer.codec import Chunk
 from mlxq.producer.connection import TRANSIENT, backoff, connect_async
+from mlxq.producer.job import Job, end_of
 from mlxq.producer.mux import RESYNC, AsyncSubscriber
-from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
+from mlxq.producer.outcome import TERMINAL, job_status
+from mlxq.producer.params import SubmitOptions
+from mlxq.producer.result import Result, latest_fields
+from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, WAIT, Follow
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class AsyncJob:
-    """A handle on one job; the methods of :class:`~mlxq.producer.client.Job` as coroutines."""
+    """A handle on one job; the methods of :class:`~mlxq.producer.job.Job` as coroutines."""
 
     def __init__(self, client: AsyncClient, job: Job) -> None:
         self._client = client
@@ -81,7 +80,8 @@ class AsyncJob:
                     data = await sub.get(follow.wait_s())
                     out = follow.on_message(None if data == RESYNC else data)
                 elif action == STATUS:
-                    out = follow.on_status(_status(await r.hget(keys.job_key(self.id), "status")))
+                    raw = await r.hget(keys.job_key(self.id), "status")
+                    out = follow.on_status(job_status(raw))
                 elif action == END:
                     raw = await r.hget(keys.job_key(self.id), "status")
                     entries = await r.xrevrange(keys.results_key(self.id), count=1)
@@ -111,9 +111,9 @@ class AsyncClient:
         self.subscriber = AsyncSubscriber(self.aredis)
         self.queue_name = queue
 
-    async def submit(self, prompt: str | None = None, **kw: Any) -> AsyncJob:
+    async def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> AsyncJob:
         """Queue one job; the arguments of :meth:`Client.submit`."""
-        job = await asyncio.to_thread(self._sync.submit, prompt, **kw)
+        job = await asyncio.to_thread(self._sync.submit, prompt, **options)
         return AsyncJob(self, job)
 
     async def submit_many(self, jobs: Sequence[Mapping[str, Any]]) -> list[AsyncJob]:

@@ -1,125 +1,51 @@
 """What a producer imports: submit jobs, follow their token streams, read results.
 
+:class:`Client` submits; the handle it returns lives in :mod:`mlxq.producer.job` and a
+finished job's output in :mod:`mlxq.producer.result`, both importable from here too.
 Imports neither MLX nor mlx-lm, so it runs in any web backend.
 """
 
 from __future__ import annotations
 
-import base64
-import logging
 import re
-import time
-import zlib
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import redis
 from rq import Queue
 
-from mlxq.producer import keys, scripts
-from mlxq.producer.codec import Chunk, MsgpackSerializer, decode_job_data
-from mlxq.producer.connection import TRANSIENT, backoff, connect
-from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
+from mlxq.producer import keys
+from mlxq.producer.codec import MsgpackSerializer
+from mlxq.producer.connection import connect
 from mlxq.producer.errors import QueueFull as QueueFull
-from mlxq.producer.mux import RESYNC, Subscriber
-from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, check_names
-from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, TERMINAL, WAIT, Follow
+from mlxq.producer.job import Job as Job
+from mlxq.producer.job import cancel_job as cancel_job
+from mlxq.producer.job import end_of as end_of
+from mlxq.producer.job import read_end as read_end
+from mlxq.producer.job import read_log as read_log
+from mlxq.producer.mux import Subscriber
+from mlxq.producer.params import MAX_TOKENS_CAP, GenerationRequest, SubmitOptions, check_names
+from mlxq.producer.result import MAX_REASON_BYTES as MAX_REASON_BYTES
+from mlxq.producer.result import Choice as Choice
+from mlxq.producer.result import Result as Result
+from mlxq.producer.result import latest_failure as latest_failure
+from mlxq.producer.result import latest_fields as latest_fields
+from mlxq.producer.result import latest_value as latest_value
+from mlxq.producer.result import reason_of as reason_of
+from mlxq.producer.result import value_of as value_of
 from mlxq.producer.validate import integer_in
 
-log = logging.getLogger("mlxq.producer")
+if TYPE_CHECKING:
+    from typing import Unpack
 
 DEFAULT_REDIS_URL = keys.DEFAULT_REDIS_URL
 DEFAULT_RESULT_TTL = keys.DEFAULT_RESULT_TTL
 DEFAULT_FAILURE_TTL = keys.DEFAULT_FAILURE_TTL
-#: Most bytes of a failure reason read back (rq stores it compressed: never inflated
-#: past this, whatever a rogue record holds).
-MAX_REASON_BYTES = 64 * 1024
 
 #: What a Client's integer settings' errors add: the TTLs among them are in seconds.
 TTL_NOTE = " (seconds for TTLs)"
 #: Jobs per round trip in ``submit_many``.
 SUBMIT_SLICE = 256
-
-_STATUS = {
-    "queued": "queued",
-    "deferred": "queued",
-    "scheduled": "queued",
-    "created": "queued",
-    "started": "started",
-    "finished": "finished",
-    "failed": "failed",
-    "canceled": "canceled",
-    "stopped": "canceled",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """One sample of a job's prompt (a job asking ``n=3`` has three).
-
-    Attributes:
-        index: 0 to n - 1.
-        text, token_ids, finish_reason: As :class:`Result`'s, for this sample.
-        logprobs: With ``logprobs=True``, one entry per token of ``token_ids``, in
-            OpenAI's chat shape: ``{"token", "logprob", "bytes", "top_logprobs":
-            [{"token", "logprob", "bytes"}, ...]}``; else None.
-    """
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    logprobs: list[dict[str, Any]] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """A finished job's output.
-
-    Attributes:
-        text: The whole completion (of the first choice when ``n > 1``).
-        token_ids: Its tokens (without the end-of-sequence token).
-        finish_reason: ``"stop"`` (end of sequence, a stop string or stop token) or
-            ``"length"``.
-        usage: ``{"prompt_tokens": int, "completion_tokens": int}`` (every choice's).
-        choices: Every sample, ``choices[0]`` being the one above.
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: dict[str, int]
-    choices: list[Choice] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.choices:
-            object.__setattr__(
-                self, "choices", [Choice(0, self.text, self.token_ids, self.finish_reason)]
-            )
-
-    @property
-    def logprobs(self) -> list[dict[str, Any]] | None:
-        return self.choices[0].logprobs
-
-    @classmethod
-    def from_value(cls, v: Any) -> Result:
-        if not isinstance(v, Mapping):
-            raise MlxqError(f"result={v!r}: not an mlxq result")
-        raw = v.get("choices") or [{**v, "index": 0}]
-        choices = [
-            Choice(
-                int(c["index"]),
-                c["text"],
-                list(c["token_ids"]),
-                c["finish_reason"],
-                c.get("logprobs"),
-            )
-            for c in raw
-        ]
-        first = choices[0]
-        return cls(first.text, first.token_ids, first.finish_reason, dict(v["usage"]), choices)
 
 
 def build_request(
@@ -135,143 +61,6 @@ def build_request(
     check_names(options, "build_request()")
     arguments = {"prompt": prompt, **options}
     return GenerationRequest.from_arguments(arguments, max_tokens_cap=max_tokens_cap)
-
-
-class Job:
-    """A handle on one submitted job; cheap, holds no connection of its own."""
-
-    def __init__(self, client: Client, job_id: str) -> None:
-        self._client = client
-        self.id = job_id
-
-    def __repr__(self) -> str:
-        return f"Job({self.id!r})"
-
-    @property
-    def _redis(self) -> redis.Redis:
-        return self._client.redis
-
-    def status(self) -> str:
-        """``"queued" | "started" | "finished" | "failed" | "canceled"``.
-
-        Raises:
-            NoSuchJob: the job never existed or its records expired.
-        """
-        st = _status(self._redis.hget(keys.job_key(self.id), "status"))
-        if st is None:
-            raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
-        return st
-
-    def metadata(self) -> dict[str, Any] | None:
-        """The ``metadata`` map the job was submitted with; None if it had none.
-
-        Read from the job's stored payload with a size limit (never unpickled).
-
-        Raises:
-            NoSuchJob: the job never existed or its records expired.
-            PayloadError: the stored job is not an mlxq job (written by something else).
-        """
-        raw = self._redis.hget(keys.job_key(self.id), "data")
-        if not isinstance(raw, bytes):
-            raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
-        payload = decode_job_data(raw)
-        meta = payload.get("metadata") if isinstance(payload, Mapping) else None
-        if meta is not None and not isinstance(meta, Mapping):
-            raise PayloadError(f"metadata={meta!r}: stored metadata is not a map")
-        return None if meta is None else dict(meta)
-
-    def failure_reason(self) -> str:
-        """Why a failed job failed (the worker's one-line reason), or ``"canceled"``."""
-        if self.status() == "canceled":
-            return "canceled"
-        return latest_failure(self._redis, self.id)
-
-    def stream(self, timeout: float | None = None) -> Iterator[Chunk]:
-        """Yield the job's chunks in order, each exactly once, live or replayed.
-
-        Works whenever it is called: before the job starts, while it runs, or
-        after it ended (while the replay log lives, ``stream_ttl``).
-
-        Args:
-            timeout: Seconds to wait in all; None waits as long as it takes.
-
-        Yields:
-            Chunks with ``.text``, ``.token_ids``; the last has ``.finish_reason``.
-            A ``kind="reset"`` chunk means the job restarted: clear what you showed.
-
-        Raises:
-            JobFailed: the job failed (``.reason`` says why).
-            JobTimeout: ``timeout`` passed first.
-        """
-        follow = Follow(self.id, timeout)
-        failures = 0
-        while follow.next() != DONE:
-            try:
-                yield from self._follow(follow)
-                failures = 0
-            except TRANSIENT:
-                # Redis restarted or dropped us: resume from the last seq seen.
-                failures += 1
-                time.sleep(min(backoff().compute(failures), follow.wait_s()))
-
-    def _follow(self, follow: Follow) -> Iterator[Chunk]:
-        # Subscribed (confirmed) before the first log read, so nothing falls between.
-        sub = self._client.subscriber.subscribe(keys.channel(self.id))
-        try:
-            while (action := follow.next()) != DONE:
-                if action == READ_LOG:
-                    yield from follow.on_log(read_log(self._redis, self.id, follow.after))
-                elif action == WAIT:
-                    data = sub.get(follow.wait_s())
-                    yield from follow.on_message(None if data == RESYNC else data)
-                elif action == STATUS:
-                    yield from follow.on_status(
-                        _status(self._redis.hget(keys.job_key(self.id), "status"))
-                    )
-                elif action == END:
-                    yield from follow.on_end(*read_end(self._redis, self.id))
-        finally:
-            sub.close()
-
-    def result(self, timeout: float | None = None) -> Result:
-        """Wait for the job to end and return its output.
-
-        Args:
-            timeout: Seconds to wait; None waits as long as it takes.
-
-        Raises:
-            JobFailed: the job failed or was canceled (``.reason`` says which).
-            JobTimeout: ``timeout`` passed first.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self.status() not in TERMINAL:
-            for _ in self.stream(timeout=timeout):
-                pass
-        while (st := self.status()) not in TERMINAL:  # a moment, after a synthesized end
-            if deadline is not None and time.monotonic() > deadline:
-                raise JobTimeout(f"job {self.id}: no result within {timeout} s")
-            time.sleep(0.01)
-        if st != "finished":
-            raise JobFailed(self.id, self.failure_reason())
-        value = latest_value(self._redis, self.id)
-        if value is None:
-            raise JobFailed(self.id, "its result expired")
-        return Result.from_value(value)
-
-    def cancel(self) -> bool:
-        """Cancel the job: a queued job never runs; a running one leaves its batch at the
-        next decode step and its stream ends with ``finish_reason="canceled"``.
-
-        Returns:
-            True if the job will end canceled; False if it had already ended.
-
-        Raises:
-            NoSuchJob: the job never existed or its records expired.
-        """
-        verdict = cancel_job(self._redis, self.id)
-        if verdict == "nosuch":
-            raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
-        return verdict in ("canceled", "requested")
 
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -290,94 +79,6 @@ def _check_ids(job_ids: Sequence[str] | None, n: int) -> list[str | None]:
     if len(set(job_ids)) != n:
         raise ValueError("job_ids: must be distinct")
     return list(job_ids)
-
-
-def _status(raw: Any) -> str | None:
-    if raw is None:
-        return None
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    return _STATUS.get(text, "queued")
-
-
-def read_log(connection: redis.Redis, job_id: str, after: int) -> Any:
-    """The job's logged entries from seq ``after``; none when its log is not a stream
-    (a rogue key: the job's state then says how it ended)."""
-    try:
-        return connection.xrange(keys.stream_key(job_id), min=f"0-{after}")
-    except redis.ResponseError as e:
-        log.warning("job %s: its log cannot be read (%s)", job_id, e)
-        return []
-
-
-def cancel_job(connection: redis.Redis, job_id: str) -> str:
-    """Run the cancel script: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
-    return scripts.call(connection, scripts.cancel(job_id, datetime.now(timezone.utc)))
-
-
-def _latest_result(connection: redis.Redis, job_id: str) -> dict[bytes, bytes] | None:
-    return latest_fields(connection.xrevrange(keys.results_key(job_id), count=1))
-
-
-def latest_fields(entries: Any) -> dict[bytes, bytes] | None:
-    """The fields of the newest entry of an XREVRANGE reply of rq's result log."""
-    return dict(entries[0][1]) if entries else None
-
-
-def value_of(fields: dict[bytes, bytes] | None) -> Any:
-    """The return value in a successful rq result entry, or None."""
-    if not fields or fields.get(b"type") != b"1" or b"return_value" not in fields:
-        return None
-    return MsgpackSerializer.loads(base64.b64decode(fields[b"return_value"]))
-
-
-def reason_of(fields: dict[bytes, bytes] | None) -> str:
-    """The last line of a failed rq result entry's reason, inflated with a size limit."""
-    raw = (fields or {}).get(b"exc_string")
-    if not raw:
-        return "unknown"
-    try:
-        text = zlib.decompressobj().decompress(base64.b64decode(raw), MAX_REASON_BYTES)
-    except (ValueError, zlib.error):
-        return "unknown (its failure record is unreadable)"
-    lines = text.decode("utf-8", "replace").strip().splitlines()
-    return lines[-1] if lines else "unknown"
-
-
-def latest_value(connection: redis.Redis, job_id: str) -> Any:
-    """The return value of the job's latest successful run (rq's result log), or None."""
-    return value_of(_latest_result(connection, job_id))
-
-
-def latest_failure(connection: redis.Redis, job_id: str) -> str:
-    """The last line of the job's latest failure reason, read with a size limit."""
-    return reason_of(_latest_result(connection, job_id))
-
-
-def end_of(raw_status: Any, fields: dict[bytes, bytes] | None) -> tuple[Any, ...]:
-    """What :meth:`Follow.on_end` takes, from the job's status and latest result entry."""
-    st = _status(raw_status)
-    if st == "finished":
-        v = value_of(fields)
-        if isinstance(v, Mapping):
-            return (
-                st,
-                v.get("text"),
-                v.get("token_ids"),
-                v.get("finish_reason"),
-                v.get("usage"),
-                None,
-            )
-    if st == "failed":
-        return st, None, None, None, None, reason_of(fields)
-    return st, None, None, None, None, None
-
-
-def read_end(connection: redis.Redis, job_id: str) -> tuple[Any, ...]:
-    with connection.pipeline(transaction=False) as p:
-        p.hget(keys.job_key(job_id), "status")
-        p.xrevrange(keys.results_key(job_id), count=1)
-        raw, entries = p.execute()
-    return end_of(raw, latest_fields(entries))
 
 
 class Client:
@@ -423,12 +124,13 @@ class Client:
         self.max_queued = max_queued
         self._queue = Queue(queue, connection=self.redis, serializer=MsgpackSerializer)
 
-    def submit(self, prompt: str | None = None, **options: Any) -> Job:
+    def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> Job:
         """Queue one generation job.
 
         Its keyword arguments are the fields of
         :class:`~mlxq.producer.params.GenerationRequest` (and of its sampling and
-        logits groups) that declare themselves submit options.
+        logits groups) that declare themselves submit options; their types are
+        :class:`~mlxq.producer.params.SubmitOptions`.
 
         Args:
             prompt: Raw text, tokenized as is. Give exactly one of prompt / messages.
@@ -482,7 +184,8 @@ class Client:
         :meth:`submit`'s keyword arguments. All are checked before any is sent.
 
         Args:
-            jobs: One map of :meth:`submit` arguments per job.
+            jobs: One map of :meth:`submit` arguments per job (typed, for a checker, by
+                annotating them :class:`~mlxq.producer.params.JobOptions`).
             job_ids: The jobs' ids, chosen by the caller (letters, digits, ``_`` and
                 ``-``), so it can record them before submitting (``mlxq run-batch`` does,
                 to re-attach after a crash instead of submitting again). Each must be

@@ -19,11 +19,12 @@ from rich.live import Live
 from rich.table import Table
 
 from mlxq.producer import listing
-from mlxq.producer.client import Client, Job, cancel_job
+from mlxq.producer.client import Client
 from mlxq.producer.connection import connect
 from mlxq.producer.errors import JobTimeout, NoSuchJob
 from mlxq.producer.fields import flags
 from mlxq.producer.info import collect, duration, render
+from mlxq.producer.job import Job, cancel_job
 from mlxq.producer.params import GenerationRequest
 from mlxq.producer.terminal import StreamPrinter
 

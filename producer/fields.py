@@ -4,7 +4,9 @@ Every field of :class:`~mlxq.producer.params.GenerationRequest`, and of the para
 groups it holds (:class:`~mlxq.producer.params.SamplingParams`,
 :class:`~mlxq.producer.logits_params.LogitsParams`), carries an :class:`Option` in its
 dataclass metadata. :meth:`Client.submit`'s keywords, the payload's keys (both ways) and
-``mlxq submit``'s flags are read from those, so a new option is one field plus its docs.
+``mlxq submit``'s flags are read from those, so a new option is one field plus its docs and
+its type in :class:`~mlxq.producer.params.SubmitOptions` (for type checkers; a test holds the
+two lists equal).
 """
 
 from __future__ import annotations

@@ -15,25 +15,14 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.job import Job as RqJob
-from rq.job import JobStatus
 from rq.utils import as_text
 
-from mlxq.producer.client import latest_failure
 from mlxq.producer.codec import MsgpackSerializer
+from mlxq.producer.outcome import STATUS_OF_RQ
+from mlxq.producer.result import latest_failure
 
 STATUSES = ("queued", "started", "finished", "failed", "canceled")
 _FIELDS = ("status", "origin", "enqueued_at", "started_at", "ended_at")
-_STATUS = {
-    JobStatus.QUEUED.value: "queued",
-    JobStatus.DEFERRED.value: "queued",
-    JobStatus.SCHEDULED.value: "queued",
-    JobStatus.CREATED.value: "queued",
-    JobStatus.STARTED.value: "started",
-    JobStatus.FINISHED.value: "finished",
-    JobStatus.FAILED.value: "failed",
-    JobStatus.CANCELED.value: "canceled",
-    JobStatus.STOPPED.value: "canceled",
-}
 
 
 def _epoch(raw: Any) -> float | None:
@@ -107,7 +96,7 @@ def recent_jobs(
     jobs = []
     for (job_id, q_name), row in zip(found.items(), rows, strict=True):
         raw_status, origin, *times = row
-        state = _STATUS.get(as_text(raw_status) if raw_status else "", "")
+        state = STATUS_OF_RQ.get(as_text(raw_status) if raw_status else "", "")
         if state not in wanted:  # expired, or moved on since the registry was read
             continue
         enqueued, started, ended = (_epoch(t) for t in times)
@@ -152,7 +141,7 @@ def job_details(connection: redis.Redis, job_id: str) -> dict[str, Any] | None:
     )
     if raw_status is None:
         return None
-    state = _STATUS.get(as_text(raw_status), "queued")
+    state = STATUS_OF_RQ.get(as_text(raw_status), "queued")
     enqueued, started, ended = (_epoch(t) for t in times)
     now = datetime.now(timezone.utc).timestamp()
     wait_end = started if started is not None else (None if state != "queued" else now)

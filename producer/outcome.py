@@ -4,13 +4,16 @@
 ``failed``, ``canceled``: :data:`TERMINAL`) or the worker let go of it without ending it
 (``requeued``: back in the queue; ``dropped``: no longer this worker's; ``refused``: Redis
 would not take its write). The client's job statuses use the same words for the terminal
-ones. The Lua scripts keep their own copy of :data:`RQ_TERMINAL` (``lua/lib.lua``); a test
-holds the two equal.
+ones: :data:`STATUS_OF_RQ` reads rq's statuses in them. The Lua scripts keep their own copy
+of :data:`RQ_TERMINAL` (``lua/lib.lua``); a test holds the two equal.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
+from types import MappingProxyType
+from typing import Any
 
 
 class Outcome(str, Enum):
@@ -38,3 +41,27 @@ def outcome_of(text: str) -> Outcome:
         return Outcome(text)
     except ValueError:
         return Outcome.DROPPED
+
+
+#: rq's job statuses in the words of :meth:`Job.status` and ``mlxq jobs``: rq's waiting
+#: kinds read ``queued``, and its ``stopped`` reads ``canceled``.
+STATUS_OF_RQ: Mapping[str, str] = MappingProxyType(
+    {
+        "queued": "queued",
+        "deferred": "queued",
+        "scheduled": "queued",
+        "created": "queued",
+        "started": "started",
+        **{o.value: o.value for o in TERMINAL},
+        "stopped": Outcome.CANCELED.value,
+    }
+)
+
+
+def job_status(raw: Any) -> str | None:
+    """A job hash's raw ``status`` field in mlxq's words (a status rq adds later reads
+    ``queued``); None when the field is absent: no such job."""
+    if raw is None:
+        return None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    return STATUS_OF_RQ.get(text, "queued")

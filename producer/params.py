@@ -8,14 +8,15 @@ through :meth:`GenerationRequest.from_payload`, so the two can never disagree.
 field of its :class:`SamplingParams` and :class:`~mlxq.producer.logits_params.LogitsParams`,
 declares its submit keyword, payload key and ``mlxq submit`` flag
 (:mod:`mlxq.producer.fields`). A new option is one field here plus its docs
-(:meth:`Client.submit`'s docstring).
+(:meth:`Client.submit`'s docstring) and its type in :class:`SubmitOptions` (a test fails
+until it has one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import msgpack
 
@@ -382,3 +383,36 @@ def check_names(names: Iterable[str], caller: str) -> None:
     for name in names:
         if name not in SUBMIT_OPTIONS:
             raise TypeError(f"{caller} got an unexpected keyword argument {name!r}")
+
+
+class SubmitOptions(TypedDict, total=False):
+    """The types of :meth:`Client.submit`'s keyword arguments after ``prompt`` (what a
+    caller may give, before conversion), for type checkers and IDEs; documented there."""
+
+    messages: Sequence[Mapping[str, Any]] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: str | Sequence[str]
+    metadata: Mapping[str, Any] | None
+    timeout: float | None
+    ttl: float | None
+    n: int
+    logprobs: bool
+    top_logprobs: int
+    repetition_penalty: float | None
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    logit_bias: Mapping[int, float] | None
+    stop_token_ids: Sequence[int] | None
+
+
+class JobOptions(SubmitOptions, total=False):
+    """One job's map for :meth:`Client.submit_many`: its ``prompt`` and
+    :class:`SubmitOptions`; its keys are :data:`SUBMIT_OPTIONS`."""
+
+    prompt: str | None

@@ -29,12 +29,12 @@ from typing import Any
 from mlxq.producer.codec import Chunk, decode_chunk, decode_message, first_seq
 from mlxq.producer.errors import JobFailed, JobTimeout, NoSuchJob, PayloadError
 from mlxq.producer.errors import StreamGap as StreamGap
+from mlxq.producer.outcome import TERMINAL, Outcome
 
 log = logging.getLogger("mlxq.producer")
 
 #: How long a listener waits on its channel before it reads the log again anyway.
 POLL_S = 0.5
-TERMINAL = frozenset({"finished", "failed", "canceled"})
 
 READ_LOG, WAIT, STATUS, END, DONE = "read_log", "wait", "status", "end", "done"
 
@@ -211,9 +211,9 @@ class Follow:
             )
         if status is None:
             raise NoSuchJob(f"no job {cur.job_id!r} (never submitted, or its records expired)")
-        if status == "failed":
+        if status == Outcome.FAILED:
             raise JobFailed(cur.job_id, reason or "unknown")
-        if status == "canceled":
+        if status == Outcome.CANCELED:
             return [Chunk(seq=cur.last + 1, finish_reason="canceled", attempt=cur.attempt)]
         text, ids = text or "", list(token_ids or ())
         return [

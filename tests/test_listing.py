@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 import pytest
+from rq.job import JobStatus
 
 from mlxq.producer import Client
-from mlxq.producer.listing import job_queue, recent_jobs
+from mlxq.producer.listing import STATUSES, job_queue, recent_jobs
+from mlxq.producer.outcome import STATUS_OF_RQ, job_status
+
+
+def test_rq_statuses_read_in_mlxq_words():
+    # The one map the client, the listing and run-batch read rq's statuses through.
+    words = {
+        JobStatus.QUEUED: "queued",
+        JobStatus.DEFERRED: "queued",
+        JobStatus.SCHEDULED: "queued",
+        JobStatus.CREATED: "queued",
+        JobStatus.STARTED: "started",
+        JobStatus.FINISHED: "finished",
+        JobStatus.FAILED: "failed",
+        JobStatus.CANCELED: "canceled",
+        JobStatus.STOPPED: "canceled",
+    }
+    assert dict(STATUS_OF_RQ) == {s.value: w for s, w in words.items()}
+    assert set(STATUS_OF_RQ.values()) == set(STATUSES)
+    assert job_status(None) is None and job_status(b"stopped") == "canceled"
+    assert type(job_status("finished")) is str and job_status(b"rate_limited") == "queued"
 
 
 def test_recent_jobs_lists_states_newest_first(r, redis_server, queue_name):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
+import re
 import subprocess
 import sys
 
@@ -11,9 +13,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mlxq.producer.client import Client
 from mlxq.producer.codec import Chunk, decode_chunk, encode_chunk
 from mlxq.producer.errors import PayloadError
-from mlxq.producer.params import GenerationRequest, SamplingParams
+from mlxq.producer.params import (
+    SUBMIT_OPTIONS,
+    GenerationRequest,
+    JobOptions,
+    SamplingParams,
+    SubmitOptions,
+)
 
 
 def test_producer_imports_no_mlx():
@@ -82,6 +91,15 @@ def test_worker_help_shows_the_real_defaults_without_mlx():
         ("--grace-s", config.DEFAULT_GRACE_S),
     ):
         assert flag in text and f"(default: {default}" in text, flag
+
+
+def test_every_submit_option_has_a_type_and_its_docs():
+    # A request field declared a submit option fails here until it is typed and documented.
+    assert set(JobOptions.__annotations__) == SUBMIT_OPTIONS
+    assert set(SubmitOptions.__annotations__) == SUBMIT_OPTIONS - {"prompt"}
+    doc = inspect.getdoc(Client.submit) or ""
+    args = doc[doc.index("Args:") : doc.index("Returns:")]
+    assert set(re.findall(r"^    (\w+):", args, re.M)) == SUBMIT_OPTIONS
 
 
 def test_payload_round_trip():

@@ -11,10 +11,9 @@ import redis
 
 from mlxq.producer import keys
 from mlxq.producer.batch.lines import Request
-from mlxq.producer.client import latest_fields
+from mlxq.producer.outcome import TERMINAL, job_status
+from mlxq.producer.result import latest_fields
 
-_ENDED = {b"finished": "finished", b"failed": "failed", b"canceled": "canceled"}
-_ENDED[b"stopped"] = "canceled"
 LIVE = "live"
 
 
@@ -36,9 +35,8 @@ class Flight:
 
 
 def _state(raw: Any) -> str | None:
-    if raw is None:
-        return None
-    return _ENDED.get(raw if isinstance(raw, bytes) else str(raw).encode(), LIVE)
+    status = job_status(raw)
+    return status if status is None or status in TERMINAL else LIVE
 
 
 def states(connection: redis.Redis, ids: Sequence[str]) -> list[str | None]:

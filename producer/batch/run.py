@@ -57,6 +57,42 @@ def _earlier(out: LineFile, err: LineFile) -> tuple[set[str], set[int]]:
     return answered, reported
 
 
+def _open(cfg: BatchConfig, stack: contextlib.ExitStack) -> tuple[LineFile, LineFile, Journal]:
+    """The output, the errors (the output itself unless separate) and the journal, each
+    closed when ``stack`` is."""
+    out = stack.enter_context(contextlib.closing(LineFile(cfg.output)))
+    err = out
+    if cfg.separate_errors:
+        assert cfg.errors is not None
+        err = stack.enter_context(contextlib.closing(LineFile(cfg.errors)))
+    journal = Journal(cfg.journal)
+    stack.callback(journal.close)
+    return out, err, journal
+
+
+def _report_done(cfg: BatchConfig, tally: Tally, stream: IO[str]) -> None:
+    print(f"{PREFIX}: {summary(tally)}", file=stream)
+    where = f"{PREFIX}: output {cfg.output}"
+    if cfg.separate_errors:
+        where += f", errors {cfg.errors}"
+    print(where, file=stream)
+
+
+def _report_stopped(
+    cfg: BatchConfig, sweep: Sweep, tally: Tally, progress: Progress, stream: IO[str]
+) -> None:
+    """Settle the jobs in flight as ``cfg`` asks and say how the sweep resumes."""
+    left, canceled = sweep.interrupt()
+    progress.close()
+    name = signal.Signals(sweep.stop.signum).name if sweep.stop.signum else "a stop"
+    print(f"{PREFIX}: stopped by {name}: {progress.line()}", file=stream)
+    if left:
+        fate = "canceled" if canceled else "left running (a rerun collects them)"
+        print(f"{PREFIX}: {left} jobs in flight {fate}", file=stream)
+    print(f"{PREFIX}: {summary(tally)}", file=stream)
+    print(f"{PREFIX}: resume with: {resume_command(cfg)}", file=stream)
+
+
 def run_batch(
     cfg: BatchConfig,
     connection: redis.Redis | None = None,
@@ -80,13 +116,7 @@ def run_batch(
     """
     stream = stream or sys.stderr
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(contextlib.closing(LineFile(cfg.output)))
-        err = out
-        if cfg.separate_errors:
-            assert cfg.errors is not None
-            err = stack.enter_context(contextlib.closing(LineFile(cfg.errors)))
-        journal = Journal(cfg.journal)
-        stack.callback(journal.close)
+        out, err, journal = _open(cfg, stack)
         answered, reported = _earlier(out, err)
         if not out.existed:
             journal.discard()
@@ -112,19 +142,7 @@ def run_batch(
         if sweep.run(read_lines(cfg.input)):
             sweep.finish()
             progress.close()
-            print(f"{PREFIX}: {summary(tally)}", file=stream)
-            where = f"{PREFIX}: output {cfg.output}"
-            if cfg.separate_errors:
-                where += f", errors {cfg.errors}"
-            print(where, file=stream)
+            _report_done(cfg, tally, stream)
             return 0
-        left, canceled = sweep.interrupt()
-        progress.close()
-        name = signal.Signals(sweep.stop.signum).name if sweep.stop.signum else "a stop"
-        print(f"{PREFIX}: stopped by {name}: {progress.line()}", file=stream)
-        if left:
-            fate = "canceled" if canceled else "left running (a rerun collects them)"
-            print(f"{PREFIX}: {left} jobs in flight {fate}", file=stream)
-        print(f"{PREFIX}: {summary(tally)}", file=stream)
-        print(f"{PREFIX}: resume with: {resume_command(cfg)}", file=stream)
+        _report_stopped(cfg, sweep, tally, progress, stream)
         return STOPPED

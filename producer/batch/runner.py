@@ -33,10 +33,12 @@ from mlxq.producer.batch.jobs import LIVE, Flight
 from mlxq.producer.batch.lines import LineChecker, LineError, Request
 from mlxq.producer.batch.progress import Tally
 from mlxq.producer.batch.stop import Interrupted, StopFlag, retry
-from mlxq.producer.client import Client, Result, cancel_job, reason_of, value_of
+from mlxq.producer.client import Client
 from mlxq.producer.connection import TRANSIENT, Outage, backoff
 from mlxq.producer.errors import MlxqError
+from mlxq.producer.job import cancel_job
 from mlxq.producer.openai_api import completion_body
+from mlxq.producer.result import Result, reason_of, value_of
 
 log = logging.getLogger("mlxq.batch")
 T = TypeVar("T")

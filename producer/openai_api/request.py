@@ -269,24 +269,13 @@ def _value(body: Mapping[str, Any], name: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
-    """Check an OpenAI completion body and map it onto mlxq's submit arguments.
-
-    Args:
-        body: The decoded JSON body.
-        endpoint: :data:`CHAT` or :data:`COMPLETIONS`.
-
-    Returns:
-        The request; its ``submit`` map passes :meth:`Client.submit`'s checks.
-
-    Raises:
-        InvalidRequest: (a ``ValueError``) naming the field (``.param``) and what is wrong.
-    """
+def _model(body: Any, endpoint: str) -> str:
+    """The body's ``model`` (the queue that serves it), once the body is an object; its
+    unknown fields are ignored (with a warning)."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"endpoint={endpoint!r}: must be one of {ENDPOINTS}")
     if not isinstance(body, Mapping):
         raise InvalidRequest("the request body must be a JSON object")
-    chat = endpoint == CHAT
     for k in body:
         if k not in _KNOWN[endpoint]:
             _ignore(str(k))
@@ -295,14 +284,24 @@ def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
         raise invalid(
             "model", model, f"must name a queue: a string of 1 to {MAX_MODEL_CHARS} chars"
         )
+    return model
+
+
+def _source(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """Chat's ``messages`` or completions' ``prompt``, as submit's argument."""
     if chat:
         if "messages" not in body:
             raise InvalidRequest("messages: required", "messages")
-        source: dict[str, Any] = {"messages": _messages(body["messages"])}
-    else:
-        if "prompt" not in body:
-            raise InvalidRequest("prompt: required", "prompt")
-        source = {"prompt": _prompt(body["prompt"])}
+        return {"messages": _messages(body["messages"])}
+    if "prompt" not in body:
+        raise InvalidRequest("prompt: required", "prompt")
+    return {"prompt": _prompt(body["prompt"])}
+
+
+def _submit(body: Mapping[str, Any], chat: bool) -> tuple[str, dict[str, Any]]:
+    """The submit arguments every request carries, and the name its token limit was
+    given under (``max_completion_tokens`` or ``max_tokens``)."""
+    source = _source(body, chat)
     tokens_name, max_tokens = _max_tokens(body, chat)
     top_k = _value(body, "top_k", 0)
     submit = {
@@ -316,9 +315,15 @@ def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
         "seed": body.get("seed"),
         "metadata": _metadata(body),
     }
-    stream = _flag(body, "stream")
-    include_usage = _stream_options(body, stream)
-    extra = _extras(body, chat)
+    return tokens_name, submit
+
+
+def _check(submit: Mapping[str, Any], tokens_name: str) -> None:
+    """Run submit's own checks, their errors in OpenAI's shape under the body's names.
+
+    Raises:
+        InvalidRequest: naming the field the body gave.
+    """
     try:
         build_request(**submit)
     except PayloadError as e:
@@ -330,6 +335,28 @@ def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
         raise InvalidRequest(str(e), param) from None
     except (TypeError, ValueError) as e:  # a shape the checks above did not foresee
         raise InvalidRequest(f"invalid request: {e}") from None
+
+
+def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
+    """Check an OpenAI completion body and map it onto mlxq's submit arguments.
+
+    Args:
+        body: The decoded JSON body.
+        endpoint: :data:`CHAT` or :data:`COMPLETIONS`.
+
+    Returns:
+        The request; its ``submit`` map passes :meth:`Client.submit`'s checks.
+
+    Raises:
+        InvalidRequest: (a ``ValueError``) naming the field (``.param``) and what is wrong.
+    """
+    model = _model(body, endpoint)
+    chat = endpoint == CHAT
+    tokens_name, submit = _submit(body, chat)
+    stream = _flag(body, "stream")
+    include_usage = _stream_options(body, stream)
+    extra = _extras(body, chat)
+    _check(submit, tokens_name)
     return OpenAIRequest(
         endpoint,
         model,

@@ -12,9 +12,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxq.producer.client import Result
 from mlxq.producer.codec import Chunk
 from mlxq.producer.openai_api.request import OpenAIRequest
+from mlxq.producer.result import Result
 
 
 def completion_id(req: OpenAIRequest, job_id: str) -> str:
