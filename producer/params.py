@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-import msgpack
-
+from mlxq.producer import validate
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
 from mlxq.producer.logits_params import LogitsParams
@@ -30,14 +29,9 @@ PAYLOAD_VERSION = 1
 MAX_TOKENS_CAP = 32_768
 #: Longest prompt (characters, over all chat messages) a job may carry.
 MAX_PROMPT_CHARS = 1_000_000
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_MESSAGES = 1_024
 MAX_SEED = 2**63 - 1
 #: Above any vocabulary; past the vocabulary size top_k keeps everything.
 MAX_TOP_K = 1 << 20
-#: Largest metadata map, msgpack-encoded.
-MAX_METADATA_BYTES = 64 * 1024
 #: Longest ``timeout`` / ``ttl`` a job may ask for, in seconds (a week).
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 #: Most samples (``n``) of one prompt a job may ask for.
@@ -46,28 +40,9 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 #: The LogitsParams fields a payload carries as plain values.
 LOGITS_FIELDS = tuple(s.name for s in specs(LogitsParams) if s.option.encode is None)
-ROLES = ("system", "user", "assistant", "tool", "developer")
-#: The keys a chat message may carry: OpenAI's, less those needing tools or images.
-MESSAGE_KEYS = frozenset({"role", "content", "name"})
-#: Longest ``name`` of a chat message (OpenAI's limit).
-MAX_NAME_CHARS = 64
 
 #: A sampling-parameter key: jobs with equal keys can share one plain sampler.
 ParamKey = tuple[float, float, int, float]
-
-
-def _metadata(value: Any) -> dict[str, Any]:
-    # Checked by a msgpack round trip: what passes here is exactly what the worker reads back.
-    if not isinstance(value, Mapping):
-        raise bad("metadata", value, "must be a map with string keys")
-    try:
-        packed = msgpack.packb(dict(value), use_bin_type=True)
-        out = msgpack.unpackb(packed, raw=False, strict_map_key=True)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise bad("metadata", value, f"must be msgpack data with string keys ({e})") from None
-    if len(packed) > MAX_METADATA_BYTES:
-        raise bad("metadata", f"<{len(packed)} bytes>", f"at most {MAX_METADATA_BYTES} bytes")
-    return dict(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,61 +111,6 @@ class SamplingParams:
         if self.greedy:
             return (0.0, 1.0, 0, 0.0)
         return (self.temperature, self.top_p, self.top_k, self.min_p)
-
-
-def _content(name: str, value: Any) -> str:
-    """A message's content: a string, or OpenAI's list of text parts, joined as mlx-lm's
-    server joins them (no separator)."""
-    if isinstance(value, str):
-        return text(name, value)
-    if not isinstance(value, Sequence) or isinstance(value, bytes) or not value:
-        raise bad(name, value, "must be a string or a non-empty list of text parts")
-    if len(value) > MAX_MESSAGES:
-        raise bad(name, f"<{len(value)} parts>", f"at most {MAX_MESSAGES}")
-    texts = []
-    for j, part in enumerate(value):
-        where = f"{name}[{j}]"
-        if not isinstance(part, Mapping) or set(part) != {"type", "text"}:
-            raise bad(where, part, "must be a map with exactly 'type' and 'text'")
-        if part["type"] != "text":
-            raise bad(f"{where}.type", part["type"], "only 'text' parts are supported")
-        texts.append(text(f"{where}.text", part["text"]))
-    return "".join(texts)
-
-
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
-    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
-        raise bad("messages", value, "must be a non-empty list of {role, content} maps")
-    if len(value) > MAX_MESSAGES:
-        raise bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m) <= MESSAGE_KEYS:
-            raise bad(
-                f"messages[{i}]", m, "must be a map with 'role' and 'content' (and optional 'name')"
-            )
-        if not isinstance(m["role"], str) or m["role"] not in ROLES:
-            raise bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
-        msg = {"role": m["role"], "content": _content(f"messages[{i}].content", m["content"])}
-        if "name" in m:
-            if not isinstance(m["name"], str) or not 0 < len(m["name"]) <= MAX_NAME_CHARS:
-                raise bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
-            msg["name"] = text(f"messages[{i}].name", m["name"])
-        out.append(msg)
-    return tuple(out)
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, Sequence) or isinstance(value, bytes):
-        raise bad("stop", value, "must be a string or a list of strings")
-    if len(value) > MAX_STOP_STRINGS:
-        raise bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
-    for s in value:
-        if not isinstance(s, str) or not 0 < len(text("stop", s)) <= MAX_STOP_CHARS:
-            raise bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
-    return tuple(value)
 
 
 def logits_params(**kw: Any) -> LogitsParams | None:
@@ -285,7 +205,7 @@ class GenerationRequest:
                 raise bad("prompt", self.prompt, "must not be empty")
             chars = len(self.prompt)
         else:
-            object.__setattr__(self, "messages", _messages(self.messages))
+            object.__setattr__(self, "messages", validate.messages(self.messages))
             chars = sum(len(m["content"]) for m in self.messages or ())
         if chars > MAX_PROMPT_CHARS:
             raise bad("prompt", f"<{chars} characters>", f"at most {MAX_PROMPT_CHARS}")
@@ -294,7 +214,7 @@ class GenerationRequest:
             raise bad("max_tokens", self.max_tokens, f"must be in [1, {cap}]")
         if not isinstance(self.sampling, SamplingParams):
             raise bad("sampling", self.sampling, "must be SamplingParams")
-        object.__setattr__(self, "stop", _stop(self.stop))
+        object.__setattr__(self, "stop", validate.stop_strings(self.stop))
         for name in ("timeout", "ttl"):
             value = getattr(self, name)
             if value is not None:
@@ -303,7 +223,7 @@ class GenerationRequest:
                     raise bad(name, value, f"must be in (0, {MAX_DEADLINE_S:.0f}] seconds")
                 object.__setattr__(self, name, v)
         if self.metadata is not None:
-            object.__setattr__(self, "metadata", _metadata(self.metadata))
+            object.__setattr__(self, "metadata", validate.metadata(self.metadata))
         self._check_samples()
 
     def _check_samples(self) -> None:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import msgpack
 
 from mlxq.producer.errors import InvalidRequest, PayloadError
 
@@ -116,3 +118,87 @@ def token_id(name: str, value: Any) -> int:
     if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)
     return integer_in(name, value, 0, 2**31 - 1)
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1_024
+#: Largest metadata map, msgpack-encoded.
+MAX_METADATA_BYTES = 64 * 1024
+ROLES = ("system", "user", "assistant", "tool", "developer")
+#: The keys a chat message may carry: OpenAI's, less those needing tools or images.
+MESSAGE_KEYS = frozenset({"role", "content", "name"})
+#: Longest ``name`` of a chat message (OpenAI's limit).
+MAX_NAME_CHARS = 64
+
+
+def metadata(value: Any) -> dict[str, Any]:
+    """A job's ``metadata``: a map with string keys, at most :data:`MAX_METADATA_BYTES` packed."""
+    # Checked by a msgpack round trip: what passes here is exactly what the worker reads back.
+    if not isinstance(value, Mapping):
+        raise bad("metadata", value, "must be a map with string keys")
+    try:
+        packed = msgpack.packb(dict(value), use_bin_type=True)
+        out = msgpack.unpackb(packed, raw=False, strict_map_key=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise bad("metadata", value, f"must be msgpack data with string keys ({e})") from None
+    if len(packed) > MAX_METADATA_BYTES:
+        raise bad("metadata", f"<{len(packed)} bytes>", f"at most {MAX_METADATA_BYTES} bytes")
+    return dict(out)
+
+
+def _content(name: str, value: Any) -> str:
+    """A message's content: a string, or OpenAI's list of text parts, joined as mlx-lm's
+    server joins them (no separator)."""
+    if isinstance(value, str):
+        return text(name, value)
+    if not isinstance(value, Sequence) or isinstance(value, bytes) or not value:
+        raise bad(name, value, "must be a string or a non-empty list of text parts")
+    if len(value) > MAX_MESSAGES:
+        raise bad(name, f"<{len(value)} parts>", f"at most {MAX_MESSAGES}")
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{name}[{j}]"
+        if not isinstance(part, Mapping) or set(part) != {"type", "text"}:
+            raise bad(where, part, "must be a map with exactly 'type' and 'text'")
+        if part["type"] != "text":
+            raise bad(f"{where}.type", part["type"], "only 'text' parts are supported")
+        texts.append(text(f"{where}.text", part["text"]))
+    return "".join(texts)
+
+
+def messages(value: Any) -> tuple[dict[str, str], ...]:
+    """A chat: a non-empty list of ``{role, content[, name]}`` maps, each checked."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
+        raise bad("messages", value, "must be a non-empty list of {role, content} maps")
+    if len(value) > MAX_MESSAGES:
+        raise bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m) <= MESSAGE_KEYS:
+            raise bad(
+                f"messages[{i}]", m, "must be a map with 'role' and 'content' (and optional 'name')"
+            )
+        if not isinstance(m["role"], str) or m["role"] not in ROLES:
+            raise bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
+        msg = {"role": m["role"], "content": _content(f"messages[{i}].content", m["content"])}
+        if "name" in m:
+            if not isinstance(m["name"], str) or not 0 < len(m["name"]) <= MAX_NAME_CHARS:
+                raise bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
+            msg["name"] = text(f"messages[{i}].name", m["name"])
+        out.append(msg)
+    return tuple(out)
+
+
+def stop_strings(value: Any) -> tuple[str, ...]:
+    """``stop``: one string or a list of them, each 1 to :data:`MAX_STOP_CHARS` characters."""
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or isinstance(value, bytes):
+        raise bad("stop", value, "must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise bad("stop", value, f"at most {MAX_STOP_STRINGS} stop strings")
+    for s in value:
+        if not isinstance(s, str) or not 0 < len(text("stop", s)) <= MAX_STOP_CHARS:
+            raise bad("stop", s, f"each stop string must be 1 to {MAX_STOP_CHARS} characters")
+    return tuple(value)
