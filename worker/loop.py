@@ -18,7 +18,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Mapping
-from typing import assert_never
 
 from mlxq.batching.admission import AdmissionPolicy, admit
 from mlxq.batching.window import Window
@@ -338,7 +337,7 @@ class DecodeLoop:
             case messages.Suspended(suspended):
                 self._suspend(suspended)
             case _:
-                assert_never(message)
+                messages.unhandled(message)
 
     def _on_started(self, verdicts: Mapping[str, str]) -> None:
         for job_id, verdict in verdicts.items():
