@@ -114,10 +114,7 @@ class LogitsRows:
         eos = tuple(sorted({token_id("eos_token_ids", t) for t in eos_token_ids}))
         stops = [tuple(dict.fromkeys(p.stop_token_ids + eos)) if p.min_tokens else () for p in ps]
         biases = [tuple((p.logit_bias or {}).items()) for p in ps]
-        for i, (b, s) in enumerate(zip(biases, stops, strict=True)):
-            for name, t in [("logit_bias", t) for t, _ in b] + [("stop_token_ids", t) for t in s]:
-                if t >= vocab_size:
-                    raise value_error(f"params[{i}].{name}", t, f"token id must be < {vocab_size}")
+        _check_ids(biases, stops, vocab_size)
         n, n_stop = len(ps), max((len(s) for s in stops), default=0)
         reps = [p.repetition_penalty if p.repetition else None for p in ps]
         return cls(
@@ -136,14 +133,7 @@ class LogitsRows:
                 [p.frequency_context_size for p in ps],
                 0.0,
             ),
-            min_tokens=(
-                mx.array(
-                    [p.min_tokens if s else 0 for p, s in zip(ps, stops, strict=True)],
-                    dtype=mx.int32,
-                ).reshape(-1, 1)
-                if any(stops)
-                else None
-            ),
+            min_tokens=_min_tokens(ps, stops),
             # Padded with the row's own first id: the same min() twice changes nothing.
             stop_ids=_table(
                 [list(s) + list(s[:1]) * (n_stop - len(s)) for s in stops], 0, mx.int32
@@ -155,6 +145,26 @@ class LogitsRows:
         """False when :func:`apply` would return the logits unchanged."""
         kinds = (self.bias_ids, self.repetition, self.presence, self.frequency, self.min_tokens)
         return any(k is not None for k in kinds)
+
+
+def _check_ids(
+    biases: list[tuple[tuple[int, float], ...]], stops: list[tuple[int, ...]], vocab_size: int
+) -> None:
+    """Every row's biased and stop token ids are below ``vocab_size``."""
+    for i, (b, s) in enumerate(zip(biases, stops, strict=True)):
+        for name, t in [("logit_bias", t) for t, _ in b] + [("stop_token_ids", t) for t in s]:
+            if t >= vocab_size:
+                raise value_error(f"params[{i}].{name}", t, f"token id must be < {vocab_size}")
+
+
+def _min_tokens(ps: list[LogitsParams], stops: list[tuple[int, ...]]) -> mx.array | None:
+    """Each row's ``min_tokens`` (0 without stops to mask) as a column; None when no row
+    masks any."""
+    if not any(stops):
+        return None
+    return mx.array(
+        [p.min_tokens if s else 0 for p, s in zip(ps, stops, strict=True)], dtype=mx.int32
+    ).reshape(-1, 1)
 
 
 def _table(rows: list[list[Any]], pad: Any, dtype: mx.Dtype) -> mx.array | None:

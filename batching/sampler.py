@@ -145,17 +145,11 @@ class RowParams:
             num_candidates = default_num_candidates()
         if num_candidates < 0:
             raise ValueError(f"num_candidates={num_candidates!r}: must be >= 0")
-        if num_candidates:
-            sampled = [p for p in params if not p.greedy]
-            s_idx = [i for i, p in enumerate(params) if not p.greedy]
-        else:
-            # On the one-sort path greedy rows ride along with no filter and no noise,
-            # so the batch is never split into greedy and sampled rows and put back.
-            sampled = [_NEUTRAL if p.greedy else p for p in params]
-            s_idx = list(range(len(params)))
+        sampled, s_idx = _sampled(params, num_candidates)
+        greedy = [p.greedy for p in params]
         seeds = [p.seed or 0 for p in sampled]
         filters = [(p.top_p < 1, p.min_p > 0, p.top_k > 0) for p in sampled]
-        order = [i for i, p in enumerate(params) if i not in set(s_idx)] + s_idx
+        greedy_rows, unpermute = _order(len(params), s_idx)
         return cls(
             temperature=_column([p.temperature for p in sampled], mx.float32),
             top_p=_column([p.top_p for p in sampled], mx.float32),
@@ -168,13 +162,9 @@ class RowParams:
             seed_lo=_column([s & 0xFFFFFFFF for s in seeds], mx.uint32),
             seed_hi=_column([s >> 32 for s in seeds], mx.uint32),
             seeded=_column([p.seed is not None for p in sampled], mx.bool_),
-            greedy=mx.array([p.greedy for p in params]),
-            plain=(
-                _column([p.greedy for p in params], mx.bool_)
-                if not num_candidates
-                else mx.array(False)
-            ),
-            all_greedy=all(p.greedy for p in params),
+            greedy=mx.array(greedy),
+            plain=mx.array(False) if num_candidates else _column(greedy, mx.bool_),
+            all_greedy=all(greedy),
             homogeneous=len({p.key() for p in params}) == 1 and all(p.seed is None for p in params),
             any_seeded=any(p.seed is not None for p in sampled),
             all_seeded=all(p.seed is not None for p in sampled),
@@ -182,8 +172,8 @@ class RowParams:
             max_top_k=max([p.top_k for p in sampled], default=0),
             sampled=tuple(sampled),
             sampled_rows=mx.array(s_idx),
-            greedy_rows=mx.array(order[: len(params) - len(s_idx)]),
-            unpermute=mx.array(sorted(range(len(order)), key=order.__getitem__)),
+            greedy_rows=greedy_rows,
+            unpermute=unpermute,
             wide_rows=tuple(i for i, f in enumerate(filters) if not any(f)),
             any_filter=any(any(f) for f in filters),
             any_top_p=any(f[0] for f in filters),
@@ -191,6 +181,26 @@ class RowParams:
             any_top_k=any(f[2] for f in filters),
             needs_sync=any((f[0] or f[1]) and not f[2] for f in filters),
         )
+
+
+def _sampled(
+    params: Sequence[SamplingParams], num_candidates: int
+) -> tuple[list[SamplingParams], list[int]]:
+    """The params of the rows drawn by sampling, and their batch rows."""
+    if num_candidates:
+        return [p for p in params if not p.greedy], [
+            i for i, p in enumerate(params) if not p.greedy
+        ]
+    # On the one-sort path greedy rows ride along with no filter and no noise,
+    # so the batch is never split into greedy and sampled rows and put back.
+    return [_NEUTRAL if p.greedy else p for p in params], list(range(len(params)))
+
+
+def _order(n: int, s_idx: list[int]) -> tuple[mx.array, mx.array]:
+    """The greedy rows of a batch of ``n`` whose sampled rows are ``s_idx``, and the
+    permutation putting ``concat(greedy, sampled)`` back in batch order."""
+    order = [i for i in range(n) if i not in set(s_idx)] + s_idx
+    return mx.array(order[: n - len(s_idx)]), mx.array(sorted(range(n), key=order.__getitem__))
 
 
 def _column(values: Sequence[float | int | bool], dtype: mx.Dtype) -> mx.array:

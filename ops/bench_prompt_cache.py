@@ -62,13 +62,13 @@ def trace_phases(sync: bool) -> None:
     from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlxq.worker import prompt_cache
+    from mlxq.worker import kv_merge, prompt_cache
 
     for owner, name, label in [
         (prompt_cache.PromptCache, "fetch", "cache fetch"),
         (prompt_cache.PromptCache, "store_many", "cache store"),
         (prompt_cache.PromptCache, "prefill_shared", "shared prefill"),
-        (prompt_cache._RowKV, "merge", "merge (one entry)"),
+        (kv_merge.RowKV, "merge", "merge (one entry)"),
         (BatchKVCache, "merge", "merge (mlx-lm)"),
         (PromptProcessingBatch, "prompt", "prefill"),
         (GenerationBatch, "next", "decode"),

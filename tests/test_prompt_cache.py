@@ -156,7 +156,7 @@ def test_a_finished_rows_view_is_what_mlx_lm_extracts(loaded):
     rows packed together (the whole batch, some of it, two) hold what each packs alone."""
     import mlx.core as mx
 
-    from mlxq.worker.prompt_cache import _packed, _packed_rows
+    from mlxq.worker.kv_pack import packed, packed_rows
 
     engine = Engine(*loaded, max_batch=4, prompt_cache_bytes=1 << 30)
     prompts = [PREFIX[:350], PREFIX[:900], "Gulls " * 140, PREFIX[:600]]  # >= MIN_REUSE tokens
@@ -172,10 +172,10 @@ def test_a_finished_rows_view_is_what_mlx_lm_extracts(loaded):
             assert view.offset == want.offset == len(batch.tokens[i])
             assert mx.array_equal(view.keys, want.keys).item()
             assert mx.array_equal(view.values, want.values).item()
-    alone = [_packed([c.extract(i) for c in batch.prompt_cache]) for i in range(4)]
+    alone = [packed([c.extract(i) for c in batch.prompt_cache]) for i in range(4)]
     for rows in ([0, 1, 2, 3], [3, 0, 2], [1, 3]):
-        packed = _packed_rows([batch.extract_cache(i) for i in rows])
-        for i, block in zip(rows, packed, strict=True):
+        together = packed_rows([batch.extract_cache(i) for i in rows])
+        for i, block in zip(rows, together, strict=True):
             assert block is not None and block.shape == alone[i].shape
             assert mx.array_equal(block, alone[i]).item()
 
@@ -432,10 +432,10 @@ def test_the_radix_tree_finds_what_a_scan_of_every_entry_finds():
     the tree's nearest entries agree with a scan of every entry."""
     import random
 
-    from mlxq.worker.prompt_cache import _Entry, _Trie
+    from mlxq.worker.prefix_tree import Entry, Trie
 
     rng = random.Random(7)
-    trie, live = _Trie(), {}
+    trie, live = Trie(), {}
 
     def common(a, b):
         return next(
@@ -449,7 +449,7 @@ def test_the_radix_tree_finds_what_a_scan_of_every_entry_finds():
             trie.remove(list(gone))
             del live[gone]
         elif rng.random() < 0.6:
-            e = _Entry(tokens, 0, None, [])
+            e = Entry(tokens, 0, None, [])
             prev, above = trie.add(e)
             assert prev is live.get(tuple(tokens))
             assert {tuple(a.tokens) for a in above} == {

@@ -59,6 +59,15 @@ def add_worker(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """``mlxq worker``'s options, in the order ``--help`` lists them."""
+    _add_queue_arguments(p)
+    _add_batch_arguments(p)
+    _add_job_arguments(p)
+    _add_service_arguments(p)
+
+
+def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
+    """What to serve: the model, the Redis and the queue."""
     p.add_argument("--model", required=True, help="mlx-lm model path or Hugging Face repo id")
     # The environment's URL is read at run time, never shown: it may hold a password.
     p.add_argument(
@@ -68,6 +77,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "the environment variable for a URL with a password, which ps would show",
     )
     p.add_argument("--queue", default="default", help="queue to serve (default: %(default)s)")
+
+
+def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """How the batch fills, and how the worker is named and stops."""
     p.add_argument(
         "--window-ms",
         type=float,
@@ -93,6 +106,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT, seconds running jobs may finish before they are "
         "requeued; a second signal stops at once (default: %(default)s)",
     )
+
+
+def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """What a job may ask for and how its tokens go out."""
     p.add_argument(
         "--stream-ttl",
         type=int,
@@ -112,6 +129,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         default=MAX_TOKENS_CAP,
         help="largest max_tokens a job may ask for (default: %(default)s)",
     )
+
+
+def _add_service_arguments(p: argparse.ArgumentParser) -> None:
+    """Metrics, the prompt cache, chat routing and the log."""
     p.add_argument(
         "--metrics-port",
         type=int,

@@ -26,7 +26,8 @@ from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import apply
 from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
 from mlxq.batching.rows import RowSampler
-from mlxq.worker.prompt_cache import MIN_REUSE, row_cache
+from mlxq.worker.kv_pack import row_cache
+from mlxq.worker.prompt_cache import MIN_REUSE
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 from mlxq.producer.outcome import Outcome
 
@@ -72,3 +73,10 @@ class Suspended:
 
 Message = Started | Ended | Settled | CancelRequested | WriteFailed | Reaped | Suspended
 Inbox = queue.SimpleQueue[Message]
+
+
+def unhandled(message: NoReturn) -> NoReturn:
+    """The ``case _`` of a ``match`` on a :data:`Message`: mypy holds every type named
+    above it (only then is ``message`` of no type left), and one missed fails here.
+    ``typing.assert_never`` does this from Python 3.11; mlxq supports 3.10."""
+    raise AssertionError(f"unhandled message: {message!r}")

@@ -169,6 +169,41 @@ def _histogram(
     return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
 
 
+#: The counters read from the worker's stats: (metric name, stats field, help).
+COUNTERS = (
+    ("mlxq_prompt_tokens", "prompt_tokens", "Prompt tokens of started rows"),
+    (
+        "mlxq_prompt_tokens_prefilled",
+        "prompt_tokens_prefilled",
+        "Prompt tokens run through the model (those the prompt cache held excluded)",
+    ),
+    (
+        "mlxq_prefix_cache_queries",
+        "prompt_cache_queries",
+        "Rows looked up in the prompt cache",
+    ),
+    ("mlxq_prefix_cache_hits", "prompt_cache_hits", "Rows that found a cached prefix"),
+    (
+        "mlxq_prefix_cache_tokens",
+        "prompt_tokens_cached",
+        "Prompt tokens taken from the prompt cache instead of prefilled",
+    ),
+    ("mlxq_generation_tokens", "tokens_generated", "Tokens generated"),
+    ("mlxq_decode_steps", "decode_steps", "Decode steps run"),
+    ("mlxq_vectorized_steps", "vectorized_steps", "Decode steps sampled in one call"),
+    (
+        "mlxq_jobs_handed_out",
+        "jobs_handed_out",
+        "Chat turns this worker claimed and handed to the worker holding their history",
+    ),
+    (
+        "mlxq_jobs_handed_in",
+        "jobs_handed_in",
+        "Chat turns another worker handed this one (it held their history)",
+    ),
+)
+
+
 class _StatsCollector(Collector):
     """Counters and gauges read from the worker's stats at scrape time."""
 
@@ -185,38 +220,7 @@ class _StatsCollector(Collector):
             "Jobs claimed by this worker, waiting for a row",
             s.buffered,
         )
-        for name, key, doc in (
-            ("mlxq_prompt_tokens", "prompt_tokens", "Prompt tokens of started rows"),
-            (
-                "mlxq_prompt_tokens_prefilled",
-                "prompt_tokens_prefilled",
-                "Prompt tokens run through the model (those the prompt cache held excluded)",
-            ),
-            (
-                "mlxq_prefix_cache_queries",
-                "prompt_cache_queries",
-                "Rows looked up in the prompt cache",
-            ),
-            ("mlxq_prefix_cache_hits", "prompt_cache_hits", "Rows that found a cached prefix"),
-            (
-                "mlxq_prefix_cache_tokens",
-                "prompt_tokens_cached",
-                "Prompt tokens taken from the prompt cache instead of prefilled",
-            ),
-            ("mlxq_generation_tokens", "tokens_generated", "Tokens generated"),
-            ("mlxq_decode_steps", "decode_steps", "Decode steps run"),
-            ("mlxq_vectorized_steps", "vectorized_steps", "Decode steps sampled in one call"),
-            (
-                "mlxq_jobs_handed_out",
-                "jobs_handed_out",
-                "Chat turns this worker claimed and handed to the worker holding their history",
-            ),
-            (
-                "mlxq_jobs_handed_in",
-                "jobs_handed_in",
-                "Chat turns another worker handed this one (it held their history)",
-            ),
-        ):
+        for name, key, doc in COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(s, key))
         yield GaugeMetricFamily(
             "mlxq_prefix_cache_bytes",
@@ -229,19 +233,24 @@ class _StatsCollector(Collector):
         for outcome in OUTCOMES:
             jobs.add_metric([outcome.value], s.jobs(outcome))
         yield jobs
-        sizes = {int(k): v for k, v in s.batch_sizes.items()}
-        counts = [0] * (len(BATCH_BUCKETS) + 1)
-        for size, n in sizes.items():
-            counts[bisect.bisect_left(BATCH_BUCKETS, size)] += n
-        total = float(sum(size * n for size, n in sizes.items()))
-        yield _histogram(
-            "mlxq_batch_size",
-            "Rows in the batch at each decode step",
-            BATCH_BUCKETS,
-            counts,
-            total,
-        )
+        yield _batch_sizes(s.batch_sizes)
         yield self.itl.family()
+
+
+def _batch_sizes(batch_sizes: dict[str, int]) -> HistogramMetricFamily:
+    """The batch sizes of every step so far (size: steps) as a histogram."""
+    sizes = {int(k): v for k, v in batch_sizes.items()}
+    counts = [0] * (len(BATCH_BUCKETS) + 1)
+    for size, n in sizes.items():
+        counts[bisect.bisect_left(BATCH_BUCKETS, size)] += n
+    total = float(sum(size * n for size, n in sizes.items()))
+    return _histogram(
+        "mlxq_batch_size",
+        "Rows in the batch at each decode step",
+        BATCH_BUCKETS,
+        counts,
+        total,
+    )
 
 
 class NoMetrics:

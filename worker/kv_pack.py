@@ -1,0 +1,166 @@
+"""The prompt cache's entries as arrays: finished rows packed into blocks, and sliced back.
+
+A stored row is one array (every layer's keys and values, concatenated), one allocation
+where separate arrays cost two a layer. Finished rows reach the cache as views of their
+batch (:func:`row_cache`) and rows that finished in one step are copied out together
+(:func:`packed_rows`); a hit is a slice of an entry's block (:func:`prefix_of`), never a
+copy. Pinned to mlx-lm 0.32.2.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    KVCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
+
+from mlxq.worker.kv_merge import Hit, RowKV
+from mlxq.worker.prefix_tree import Entry
+
+#: Fewest finished rows of one batch copied out together: below it, a copy a row is fewer
+#: operations.
+MIN_GROUP = 3
+
+
+def state_arrays(cache: Any) -> list[mx.array]:
+    """Every array a layer's cache holds (what is evaluated when it is stored)."""
+    state = cache.state
+    items = state if isinstance(state, (list, tuple)) else [state]
+    out: list[mx.array] = []
+    for s in items:
+        if isinstance(s, mx.array):
+            out.append(s)
+        elif isinstance(s, (list, tuple)):
+            out.extend(x for x in s if isinstance(x, mx.array))
+    return out
+
+
+def _plain(c: Any) -> bool:
+    return type(c) in (KVCache, RowKV, RowView) and c.keys is not None and c.values is not None
+
+
+def packed(cache: list[Any]) -> mx.array | None:
+    """One row's plain KV caches copied into one array, ``[2 * layers, heads, tokens,
+    dim]`` (layer i's keys at 2i, values at 2i + 1); None when the layers differ in
+    shape or type. One allocation an entry instead of two a layer."""
+    if not all(_plain(c) and c.keys.shape[0] == 1 for c in cache):
+        return None
+    parts = [
+        a if a.shape[2] == c.offset else a[..., : c.offset, :]
+        for c in cache
+        for a in (c.keys, c.values)
+    ]
+    first = parts[0]
+    if any(a.shape != first.shape or a.dtype != first.dtype for a in parts):
+        return None
+    return mx.concatenate(parts, axis=0)
+
+
+class RowView(KVCache):  # type: ignore[misc]
+    """A finished row's layer as a view of its batch's arrays: ``keys[row, :, start:end]``
+    of ``batch_keys`` (and the same of ``batch_values``). Rows of one batch stored together
+    are copied from these together."""
+
+    def __init__(
+        self, batch_keys: mx.array, batch_values: mx.array, row: int, start: int, end: int
+    ) -> None:
+        super().__init__()
+        self.batch_keys, self.batch_values = batch_keys, batch_values
+        self.row, self.start, self.end = row, start, end
+        self.keys = batch_keys[row : row + 1, :, start:end]
+        self.values = batch_values[row : row + 1, :, start:end]
+        self.offset = end - start
+
+
+def row_cache(cache: Any, idx: int, n: int) -> Any:
+    """Row ``idx`` of a batch's cache, which holds ``n`` tokens of it, as a plain cache
+    viewing the batch's arrays (no copy:
+    :meth:`mlxq.worker.prompt_cache.PromptCache.store_many` copies what it keeps).
+    mlx-lm's ``extract`` copies each layer and reads the row's padding from the device
+    once a layer, waiting for the step in flight; the host knows it from ``n``. Other
+    cache types: ``extract``."""
+    if type(cache) is not BatchKVCache or cache.keys is None or not 0 < n <= cache._idx:
+        return cache.extract(idx)
+    return RowView(cache.keys, cache.values, idx, cache._idx - n, cache._idx)
+
+
+def packed_rows(caches: Sequence[list[Any]]) -> list[mx.array | None]:
+    """Each row's caches packed as :func:`packed` packs them (None: they cannot be);
+    rows that finished together in one batch (views of the same arrays), together."""
+    out: list[mx.array | None] = [None] * len(caches)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, cache in enumerate(caches):
+        if all(type(c) is RowView for c in cache):
+            groups.setdefault((id(cache[0].batch_keys), cache[0].end), []).append(i)
+        else:
+            out[i] = packed(cache)
+    for members in groups.values():
+        rows = [caches[i] for i in members]
+        blocks = _packed_together(rows) if len(rows) >= MIN_GROUP else None
+        for i, block in zip(members, blocks or [packed(c) for c in rows], strict=True):
+            out[i] = block
+    return out
+
+
+def _packed_together(rows: list[list[RowView]]) -> list[mx.array | None] | None:
+    """Rows of one batch, each packed as :func:`packed` packs it: each layer's keys and
+    values of all of them gathered once, stacked once, then each row's block copied out.
+    Row by row, a 24-layer model's row costs 48 copies, a batch of 64 rows 3,072;
+    together, 96 and one a row. Each block is its own array, so evicting one entry frees
+    its memory. None: the layers differ in shape or type."""
+    sources = [a for c in rows[0] for a in (c.batch_keys, c.batch_values)]
+    like = sources[0]
+    if any(a.shape[1:] != like.shape[1:] or a.dtype != like.dtype for a in sources):
+        return None
+    lo, end = min(c[0].start for c in rows), rows[0][0].end
+    order = [c[0].row for c in rows]
+    if order == list(range(like.shape[0])):  # the whole batch, in order: no gather
+        parts = [a[:, :, lo:end] for a in sources]
+    else:
+        take = mx.array(order)
+        parts = [mx.take(a[:, :, lo:end], take, axis=0) for a in sources]
+    stacked = mx.stack(parts)
+    return [mx.contiguous(stacked[:, g, :, c[0].start - lo :]) for g, c in enumerate(rows)]
+
+
+def compact(c: Any) -> Any:
+    """A plain KV cache of exactly what ``c`` holds (a prefilled one has room for 256
+    more; a row's cached prefix would keep a reference to the entry it came from)."""
+    if not _plain(c) or (type(c) is KVCache and c.keys.shape[2] == c.offset):  # type: ignore[union-attr]
+        return c
+    out: Any = KVCache()
+    out.keys = mx.contiguous(c.keys[..., : c.offset, :])
+    out.values = mx.contiguous(c.values[..., : c.offset, :])
+    out.offset = c.offset
+    return out
+
+
+def prefix_of(entry: Entry, n: int) -> list[Any] | None:
+    """A cache of the first ``n`` tokens of ``entry``, for a row of its own (None: this
+    cache type cannot be cut back to ``n``). Plain KV caches are sliced, others copied."""
+    hit = Hit(entry, n)
+    if entry.block is not None:
+        b = entry.block
+        return [
+            RowKV(b[2 * i : 2 * i + 1, :, :n], b[2 * i + 1 : 2 * i + 2, :, :n], hit, i)
+            for i in range(b.shape[0] // 2)
+        ]
+    if all(_plain(c) for c in entry.cache):
+        return [
+            RowKV(c.keys[..., :n, :], c.values[..., :n, :], hit, i)
+            for i, c in enumerate(entry.cache)
+        ]
+    excess = len(entry.tokens) - n
+    if excess and not can_trim_prompt_cache(entry.cache):
+        return None
+    cache = copy.deepcopy(entry.cache)
+    if excess:
+        trim_prompt_cache(cache, excess)
+    return cache
