@@ -43,7 +43,12 @@ class TokenHistory:
 
     @classmethod
     def from_prompts(
-        cls, prompts: Sequence[Sequence[int]], sizes: Sequence[int], *, vocab_size: int
+        cls,
+        prompts: Sequence[Sequence[int]],
+        sizes: Sequence[int],
+        *,
+        vocab_size: int,
+        generated: Sequence[int] | None = None,
     ) -> TokenHistory:
         """The history of rows joining the batch, built once at insertion.
 
@@ -55,6 +60,8 @@ class TokenHistory:
                 :attr:`LogitsParams.context_size`; 0 for rows with no penalty).
             vocab_size: Every token must lie in ``[0, vocab_size)``; the
                 penalties index the logits with them unchecked.
+            generated: Per row, tokens it generated before it joined (a row put back
+                after a pause); None: none.
 
         Returns:
             A history of width ``max(sizes)`` (0 when no row needs any).
@@ -77,7 +84,10 @@ class TokenHistory:
                 raise ValueError(f"prompts[{i}] token {bad}: must be in [0, {vocab_size})")
             if tail.size:
                 out[i, width - tail.size :] = tail
-        return cls(mx.array(out), mx.zeros((len(prompts),), dtype=mx.int32))
+        counts = [0] * len(prompts) if generated is None else list(generated)
+        if len(counts) != len(prompts):
+            raise ValueError(f"generated={counts!r}: want one per prompt ({len(prompts)})")
+        return cls(mx.array(out), mx.array(counts, dtype=mx.int32))
 
     @classmethod
     def empty(cls) -> TokenHistory:

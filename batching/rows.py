@@ -24,11 +24,13 @@ from mlxq.producer.params import SamplingParams
 
 @dataclass(slots=True, eq=False)
 class _Row:
-    """What one row asked for, and how many tokens it sampled before the current binding."""
+    """What one row asked for, how many tokens it generated before it joined (a row put
+    back after a pause), and how many it sampled before the current binding."""
 
     params: SamplingParams
     logits: LogitsParams | None
     top_logprobs: int | None
+    before: int = 0
     done: int = 0
 
 
@@ -59,13 +61,20 @@ class RowSampler:
         params: SamplingParams,
         logits: LogitsParams | None = None,
         top_logprobs: int | None = None,
+        generated: int = 0,
     ) -> None:
-        """A row joins: its sampling params, processors, and log-prob request (None: none;
-        else how many alternatives it wants)."""
-        self._by_uid[uid] = _Row(params, logits, top_logprobs)
+        """A row joins: its sampling params, processors, log-prob request (None: none;
+        else how many alternatives it wants), and the tokens it generated before (a row
+        put back after a pause goes on from there: its seeded draws and ``min_tokens``)."""
+        self._by_uid[uid] = _Row(params, logits, top_logprobs, generated, generated)
 
     def drop(self, uid: int) -> None:
         self._by_uid.pop(uid, None)
+
+    def generated_before(self, uid: int) -> int:
+        """Tokens a row generated before it joined (0 but for a row put back)."""
+        row = self._by_uid.get(uid)
+        return row.before if row is not None else 0
 
     def context(self, uid: int) -> int:
         """How many trailing tokens a row's processors read (0: none)."""

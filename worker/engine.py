@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,13 +25,11 @@ from mlxq.producer.params import GenerationRequest
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.generator import Generator, StepCounters
 from mlxq.worker.jobs import Job
+from mlxq.worker.logprob_entries import LogprobEntries
 from mlxq.worker.prompt_cache import PromptCache, default_budget
 from mlxq.worker.rows import Delta, Row, RowStatus
 
 log = logging.getLogger("mlxq.worker")
-
-#: What OpenAI reports for a token that cannot be sampled at all (log-prob -inf).
-LOGPROB_FLOOR = -9999.0
 
 
 class Engine:
@@ -91,8 +88,9 @@ class Engine:
             max_kv_size=max_kv_size,
             stop_tokens=[[t] for t in sorted(self._eos)],
         )
-        self._rows: dict[int, Row] = {}  # by mlx-lm uid: the rows in the batch
-        self._token_info: dict[int, tuple[str, list[int]]] = {}
+        self._rows: dict[int, Row] = {}  # by mlx-lm uid: the rows running, and paused
+        self._running = 0  # of those, the rows in the batch
+        self._entries = LogprobEntries(tokenizer)
         self.reset()
 
     @classmethod
@@ -128,6 +126,7 @@ class Engine:
         for row in self._rows.values():
             row.status = RowStatus.FINISHED
         self._rows.clear()
+        self._running = 0
 
     @property
     def prompt_cache_bytes(self) -> int:
@@ -136,11 +135,12 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._rows)
+        """Rows in the batch (running; paused rows are not)."""
+        return self._running
 
     @property
     def free_slots(self) -> int:
-        return self.max_batch - len(self._rows)
+        return self.max_batch - self._running
 
     def encode(self, req: GenerationRequest) -> list[int]:
         """Tokenize a request's prompt (or render its chat through the template), and
@@ -203,14 +203,75 @@ class Engine:
             stop_sequences=[StopSequences([[t] for t in sorted(s)]) for s in stops],
         )
         for uid, (job, i), stop in zip(uids, rows, stops, strict=True):
-            req = job.request
-            sampling = dataclasses.replace(req.sampling, seed=req.choice_seeds[i])
-            # Stop token ids alone change no logit: such a row costs the step nothing.
-            logits = req.logits if req.logits is not None and req.logits.active else None
-            self.sampler.add(uid, sampling, logits, req.top_logprobs if req.logprobs else None)
             detok = self.tokenizer.detokenizer  # mlx-lm makes a fresh copy per access
-            self._rows[uid] = Row(uid, job, i, detok, StopMatcher(req.stop), stop)
+            self._join(Row(uid, job, i, detok, StopMatcher(job.request.stop), stop))
         self.counters.prompt_tokens += sum(len(job.prompt_ids) for job, _ in rows)
+
+    def _join(self, row: Row) -> None:
+        """A row is in the batch under its uid: the sampler learns what it asked for."""
+        req = row.job.request
+        sampling = dataclasses.replace(req.sampling, seed=req.choice_seeds[row.index])
+        # Stop token ids alone change no logit: such a row costs the step nothing.
+        logits = req.logits if req.logits is not None and req.logits.active else None
+        top = req.top_logprobs if req.logprobs else None
+        self.sampler.add(row.uid, sampling, logits, top, generated=row.generated)
+        row.status = RowStatus.RUNNING
+        self._rows[row.uid] = row
+        self._running += 1
+
+    def pause(self, jobs: Iterable[Job], *, keep_kv: bool = True) -> int:
+        """Take jobs' rows out of the batch for now; each keeps its detokenizer, stop
+        matcher and counters, and (``keep_kv``) its KV state, so :meth:`resume` goes on
+        where it stopped. Returns how many rows were paused."""
+        rows = self._rows_of(jobs, RowStatus.RUNNING)
+        kept = self._gen.take_out([row.uid for row in rows]) if rows else {}
+        for row in rows:
+            self.sampler.drop(row.uid)
+            self._running -= 1
+            row.status = RowStatus.PAUSED
+            row.kv, row.kv_tokens = kept.get(row.uid, (None, None))
+            if not keep_kv:
+                row.kv = None
+        self.counters.preemptions += len(rows)
+        return len(rows)
+
+    def resume(self, jobs: Iterable[Job]) -> None:
+        """Put paused rows back into the batch. A row with its KV feeds its last token
+        again on that state (trimmed by one); one without prefills its prompt and what it
+        emitted; one paused in its prefill starts it again. Its next token is the one it
+        would have sampled unpaused."""
+        rows = self._rows_of(jobs, RowStatus.PAUSED)
+        if not rows:
+            return
+        prompts, caches, before = [], [], []
+        for row in rows:
+            tokens = row.kv_tokens or row.job.prompt_ids
+            kv = row.kv if row.kv is not None and all(c.is_trimmable() for c in row.kv) else None
+            if kv is not None:
+                for c in kv:
+                    c.trim(1)
+            elif row.kv_tokens is not None:
+                self.counters.resume_tokens_recomputed += len(tokens)
+            prompts.append(tokens[-1:] if kv is not None else tokens)
+            caches.append(kv)
+            before.append(tokens[:-1] if kv is not None else [])
+            self._rows.pop(row.uid)
+            row.kv = row.kv_tokens = None
+        uids = self._gen.insert(
+            prompts,
+            max_tokens=[row.job.request.max_tokens - row.generated for row in rows],
+            caches=caches,  # type: ignore[arg-type]  # None: mlx-lm makes a fresh one
+            all_tokens=before,
+            stop_sequences=[StopSequences([[t] for t in sorted(r.stop_tokens)]) for r in rows],
+        )
+        for uid, row in zip(uids, rows, strict=True):
+            row.uid = uid
+            self._join(row)
+        self.counters.resumes += len(rows)
+
+    def _rows_of(self, jobs: Iterable[Job], status: RowStatus) -> list[Row]:
+        ids = {j.id for j in jobs}
+        return [r for r in self._rows.values() if r.job.id in ids and r.status is status]
 
     def _cached(self, prompts: list[list[int]]) -> tuple[list[list[Any]] | None, list[int]]:
         """Each row's cache of its longest cached prefix (None: none) and how many tokens
@@ -249,8 +310,9 @@ class Engine:
         """Take jobs (every row of each) out of the batch now (cancel, deadline, failure)."""
         ids = {j.id for j in jobs}
         rows = [row for row in self._rows.values() if row.job.id in ids]
-        if rows:
-            self._gen.remove([row.uid for row in rows])
+        running = [row.uid for row in rows if row.status is RowStatus.RUNNING]
+        if running:
+            self._gen.remove(running)
         for row in rows:
             self._forget(row)
 
@@ -281,7 +343,7 @@ class Engine:
         if not stop_token and isinstance(logprob, TokenLogprob):
             # The token's text is what it added to the completion, so a choice's tokens
             # joined give its text (a byte of a multi-byte character adds none yet).
-            lps = [self._logprob_entry(logprob, segment)]
+            lps = [self._entries.entry(logprob, segment)]
         text, stopped = row.stops.feed(segment)
         if stopped and finish is None:
             kept = self._gen.remove([row.uid], return_prompt_caches=self.prompt_cache is not None)
@@ -295,33 +357,13 @@ class Engine:
             self._forget(row)
         return Delta(row.job, row.index, text, ids, lps, finish, row.generated)
 
-    def _logprob_entry(self, lp: TokenLogprob, text: str) -> dict[str, Any]:
-        """OpenAI's chat shape; alternatives are shown as each decodes alone."""
-        return {
-            "token": text,
-            "logprob": _finite(lp.logprob),
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [
-                {"token": t, "logprob": _finite(v), "bytes": b}
-                for t, b, v in ((*self._token(i), v) for i, v in lp.top)
-            ],
-        }
-
-    def _token(self, token_id: int) -> tuple[str, list[int]]:
-        info = self._token_info.get(token_id)
-        if info is None:
-            text = self.tokenizer.decode([token_id])
-            info = self._token_info[token_id] = (text, list(text.encode("utf-8")))
-        return info
-
     def _forget(self, row: Row) -> None:
         self._rows.pop(row.uid, None)
+        if row.status is RowStatus.RUNNING:
+            self._running -= 1
+            self.sampler.drop(row.uid)
         row.status = RowStatus.FINISHED
-        self.sampler.drop(row.uid)
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else LOGPROB_FLOOR
+        row.kv = row.kv_tokens = None
 
 
 def _context_length(model: Any) -> int | None:

@@ -43,6 +43,11 @@ class StepCounters:
     prompt_cache_hits: int = 0
     prompt_tokens_cached: int = 0
     prompt_tokens_prefilled: int = 0
+    #: Rows taken out of the batch with their KV for a while, rows put back, and the
+    #: tokens prefilled again for rows put back without their KV.
+    preemptions: int = 0
+    resumes: int = 0
+    resume_tokens_recomputed: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
     def count_step(self, rows: int, sampler_calls: int) -> None:
@@ -178,6 +183,7 @@ def _history(
     return TokenHistory.from_prompts(
         [[*t, x] for t, x in zip(tokens, next_inputs, strict=True)],
         sizes,
+        generated=[sampler.generated_before(u) for u in uids],
         vocab_size=sampler.vocab_size,
     )
 
@@ -269,3 +275,17 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             counters=counters,
         )
         self._generation_batch.keep_caches = keep_caches
+
+    def take_out(self, uids: list[int]) -> dict[int, tuple[list[Any], list[int]]]:
+        """Take rows out of the batch, each decoding row with a copy of its KV state and
+        the tokens that state holds (its prompt and every token it emitted); a row still
+        in its prefill is taken out with nothing (it has emitted nothing yet)."""
+        gen = self._generation_batch
+        where = {u: i for i, u in enumerate(gen.uids)}
+        kept = {
+            u: ([c.extract(where[u]) for c in gen.prompt_cache], list(gen.tokens[where[u]]))
+            for u in uids
+            if u in where
+        }
+        self.remove(uids)
+        return kept

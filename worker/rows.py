@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 class RowStatus(str, Enum):
     RUNNING = "running"  # in the batch, decoding
+    PAUSED = "paused"  # out of the batch for now, its KV (if kept) on the row
     FINISHED = "finished"  # left the batch: ended, or removed with its job
 
 
@@ -50,6 +51,10 @@ class Row:
     stop_tokens: frozenset[int]
     status: RowStatus = RowStatus.RUNNING
     generated: int = 0  # tokens sampled, end-of-sequence included (usage counts it)
+    #: While paused: its KV state, one cache per layer (None: dropped, or it was still in
+    #: its prefill), and the tokens it goes on from (prompt and every token it emitted).
+    kv: list[Any] | None = None
+    kv_tokens: list[int] | None = None
 
 
 # Not frozen, though never changed once made: one is made per row per decode step, and a
