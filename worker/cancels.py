@@ -16,6 +16,7 @@ from mlxq.producer import keys
 from mlxq.worker.bridge import Bridge
 from mlxq.worker.held import Held
 from mlxq.worker.messages import CancelRequested, Inbox
+from mlxq.worker.prefetch import readable_id
 from mlxq.worker.threads import Helper
 
 
@@ -48,11 +49,8 @@ class CancelListener(Helper):
                 pubsub.close()
 
     def _on(self, data: Any) -> None:
-        try:
-            job_id = data.decode("utf-8") if isinstance(data, bytes) else None
-        except UnicodeDecodeError:
-            job_id = None
-        if job_id is None or len(job_id) > 200 or not self.held.holds(job_id):
+        job_id = readable_id(data) if isinstance(data, bytes) else None
+        if job_id is None or not self.held.holds(job_id):
             self.ignored += 1
             return
         self.inbox.put(CancelRequested((job_id,)))

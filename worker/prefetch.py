@@ -50,7 +50,8 @@ def prompt_chars(req: GenerationRequest) -> int:
     return sum(len(m["content"]) for m in req.messages or ())
 
 
-def _readable_id(raw: bytes) -> str | None:
+def readable_id(raw: bytes) -> str | None:
+    """A job id read from Redis, or None when it could be no id of ours."""
     try:
         job_id = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -184,7 +185,7 @@ class Prefetcher(Helper):
             stray = [
                 raw
                 for raw in self.bridge.wip()
-                if (i := _readable_id(raw)) is None or not self.held.holds(i)
+                if (i := readable_id(raw)) is None or not self.held.holds(i)
             ]
             self._resync = False
             if stray:
@@ -238,7 +239,7 @@ class Prefetcher(Helper):
     def _check(self, c: Claimed) -> tuple[str, Claimed, GenerationRequest] | None:
         """A claimed job's id and checked request, or None when it cannot run (failed or
         dropped here, by its reason)."""
-        job_id = _readable_id(c.id)
+        job_id = readable_id(c.id)
         if job_id is None:
             log.warning("dropped queue entry %r: not a job id", c.id[:80])
             self.sink.release(ReleaseMode.DROP, [c.id])
