@@ -54,7 +54,7 @@ class Endings:
         self.sink.end(
             End(
                 job.id,
-                Outcome(outcome),
+                outcome,
                 job.execution_id,
                 job.started_at,
                 final,
@@ -64,6 +64,12 @@ class Endings:
                 _route(self.config, self.engine, job) if outcome is Outcome.FINISHED else None,
             )
         )
+
+    def end_running(self, job: Job, outcome: Outcome, final: Chunk) -> None:
+        """Take a running job's rows out of the batch now, then end it (cancel, timeout,
+        a log it cannot write)."""
+        self.engine.remove([job])
+        self.end(job, outcome, final)
 
     def release(self, jobs: list[Job], mode: ReleaseMode, why: str) -> None:
         """Free these jobs' rows and hand them back to the queue (``mode`` says how)."""
@@ -89,12 +95,8 @@ class Endings:
         for job in self.held.jobs():
             if job.status is Status.RUNNING and job.deadline is not None and now > job.deadline:
                 job.timed_out = True
-                self.engine.remove([job])
-                self.end(
-                    job,
-                    Outcome.FAILED,
-                    job.fail(f"timeout: ran longer than timeout={job.request.timeout:g} s"),
-                )
+                reason = f"timeout: ran longer than timeout={job.request.timeout:g} s"
+                self.end_running(job, Outcome.FAILED, job.fail(reason))
             elif (
                 job.status is Status.BUFFERED
                 and (why := ttl_expired(job.request, job.enqueued_at)) is not None
@@ -120,15 +122,14 @@ class Endings:
                 job.status = Status.ENDING
                 self.sink.release(ReleaseMode.REQUEUE, [job_id])
             else:
-                self.engine.remove([job])
-                self.end(job, Outcome.CANCELED, job.cancel())
+                self.end_running(job, Outcome.CANCELED, job.cancel())
 
     def write_failed(self, job_id: str, why: str) -> None:
         """Fail a running job whose replay log cannot be written."""
         job = self.held.get(job_id)
         if job is not None and job.status is Status.RUNNING:
-            self.engine.remove([job])
-            self.end(job, Outcome.FAILED, job.fail(f"its replay log cannot be written: {why}"))
+            final = job.fail(f"its replay log cannot be written: {why}")
+            self.end_running(job, Outcome.FAILED, final)
 
     def engine_error(self, e: Exception) -> None:
         """An MLX error leaves the batch state unusable. Jobs admitted since the last
