@@ -46,6 +46,9 @@ def test_the_stats_record_keeps_its_keys_in_their_order():
         "jobs_canceled", "jobs_requeued", "tok_s_1m", "suspended", "updated_at", "running",
         "buffered", "room", "load", "jobs_handed_out", "jobs_handed_in", "pid",
         "cancels_ignored", "started_at", "batch_sizes", "jobs_requeued_from_dead_workers",
+        "queues", "levels", "paused", "preemptions", "resumes", "resume_tokens_recomputed",
+        "tokens_by_queue",
+        "held_by_queue",
     ]  # fmt: skip
     assert stats.as_record()["batch_sizes"] == {"2": 3}
     assert stats.state == "idle"

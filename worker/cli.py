@@ -76,7 +76,41 @@ def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
         help=f"Redis URL (default: $MLXQ_REDIS_URL, else {keys.DEFAULT_REDIS_URL}); prefer "
         "the environment variable for a URL with a password, which ps would show",
     )
-    p.add_argument("--queue", default="default", help="queue to serve (default: %(default)s)")
+    p.add_argument(
+        "--queue",
+        action="append",
+        default=None,
+        help="queue to serve; give it again for more levels, the first the highest "
+        "(--queue chat --queue default --queue sweeps); one value may name several "
+        "queues of one level that split its rows by weight (--queue team-a:3,team-b:1) "
+        "(default: $MLXQ_QUEUES, split on spaces, else default)",
+    )
+    p.add_argument(
+        "--no-preempt",
+        dest="preempt",
+        action="store_false",
+        help="never pause a running job for a higher level's; by default the youngest "
+        "row of the lowest level running is paused (its KV kept) when no row is free",
+    )
+    p.add_argument(
+        "--reserve-rows",
+        type=int,
+        default=0,
+        help="rows kept free for the first level's jobs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-pauses",
+        type=int,
+        default=c.DEFAULT_MAX_PAUSES,
+        help="times one job may be paused, at most (default: %(default)s)",
+    )
+    p.add_argument(
+        "--paused-kv-bytes",
+        type=int,
+        default=None,
+        help="bytes of KV state kept for paused rows; past it a paused row's KV is "
+        "dropped and prefilled again on resume (default: the prompt cache's size)",
+    )
 
 
 def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,7 +212,11 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
     return c.WorkerConfig(
         model=args.model,
         redis_url=args.redis_url or os.environ.get("MLXQ_REDIS_URL") or keys.DEFAULT_REDIS_URL,
-        queue=args.queue,
+        queues=tuple(args.queue or os.environ.get("MLXQ_QUEUES", "").split() or ("default",)),
+        preempt=args.preempt,
+        reserve_rows=args.reserve_rows,
+        max_pauses=args.max_pauses,
+        paused_kv_bytes=args.paused_kv_bytes,
         window_ms=args.window_ms,
         max_batch=args.max_batch,
         name=args.name,

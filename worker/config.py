@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mlxq.batching.levels import Levels
 from mlxq.producer import keys
 from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.producer.validate import integer_in, number_in
@@ -28,6 +29,10 @@ DEFAULT_MAX_WAIT_STEPS = 32
 DEFAULT_METRICS_HOST = "0.0.0.0"
 #: The prompt cache is on, sized from the device (None: ``auto``); 0 turns it off.
 DEFAULT_PROMPT_CACHE_BYTES: int | None = None
+#: A job is paused for a higher level's job at most this many times (nothing churns).
+DEFAULT_MAX_PAUSES = 3
+#: Longest queue name: it is part of several Redis key names.
+MAX_QUEUE_CHARS = 128
 
 
 def default_name() -> str:
@@ -51,7 +56,10 @@ class WorkerConfig:
     Args:
         model: mlx-lm model path or Hugging Face repo id.
         redis_url: Redis URL (``redis://``, ``rediss://``, with credentials).
-        queue: Queue to serve.
+        queue: Queue to serve (when ``queues`` is empty).
+        queues: The ``--queue`` values: one level each, the first the highest; one value
+            may name several queues, with weights (``team-a:3,team-b:1``). Empty: just
+            ``queue``. After construction ``queue`` is the first queue named.
         window_ms: How long an idle worker waits after a first job for others to share
             its prefill batch.
         max_batch: Most jobs decoding at once.
@@ -71,6 +79,13 @@ class WorkerConfig:
             loaded); 0: no prompt cache.
         routing: Hand a claimed chat turn to the live worker, with free rows, that
             finished its conversation's last turn (its prompt cache holds the history).
+        preempt: Pause the youngest row of the lowest running level when a job of a
+            strictly higher level waits and no row is free.
+        reserve_rows: Rows kept free for the first level's jobs.
+        max_pauses: A job is paused at most this many times.
+        paused_kv_bytes: Bytes of KV state kept for paused rows; past it, the oldest
+            pause's KV is dropped (it resumes by prefilling again). None: the prompt
+            cache's budget (its own, beside it).
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -91,16 +106,40 @@ class WorkerConfig:
     metrics_host: str = DEFAULT_METRICS_HOST
     prompt_cache_bytes: int | None = DEFAULT_PROMPT_CACHE_BYTES
     routing: bool = True
+    queues: tuple[str, ...] = ()
+    preempt: bool = True
+    reserve_rows: int = 0
+    max_pauses: int = DEFAULT_MAX_PAUSES
+    paused_kv_bytes: int | None = None
+    levels: Levels = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model={self.model!r}: give a model path or repo id")
-        if not isinstance(self.queue, str) or not 0 < len(self.queue) <= 128:
-            raise ValueError(f"queue={self.queue!r}: must be 1 to 128 characters")
+        values = tuple(self.queues) or (self.queue,)
+        if not all(isinstance(v, str) for v in values):
+            raise ValueError(f"queue={values!r}: give queue names")
+        levels = Levels.parse(values)
+        for q in levels.queues:
+            if len(q) > MAX_QUEUE_CHARS or not q.isprintable():
+                raise ValueError(
+                    f"queue={q!r}: must be 1 to {MAX_QUEUE_CHARS} printable characters"
+                )
+        object.__setattr__(self, "queues", values)
+        object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "queue", levels.queues[0])
+        integer_in("reserve_rows", self.reserve_rows, 0, 4096)
+        integer_in("max_pauses", self.max_pauses, 0, 1000)
+        if self.paused_kv_bytes is not None:
+            integer_in("paused_kv_bytes", self.paused_kv_bytes, 0, 1 << 50)
         number_in("window_ms", self.window_ms, 0, 60_000)
         number_in("grace_s", self.grace_s, 0, 7 * 24 * 3600)
         number_in("stream_interval_ms", self.stream_interval_ms, 0, 10_000)
         integer_in("max_batch", self.max_batch, 1, 4096)
+        if self.reserve_rows >= self.max_batch:
+            raise ValueError(
+                f"reserve_rows={self.reserve_rows}: must be less than max_batch={self.max_batch}"
+            )
         integer_in("stream_ttl", self.stream_ttl, 1, keys.MAX_RECORD_TTL)
         integer_in("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
         integer_in("max_wait_steps", self.max_wait_steps, 0, 1 << 20)

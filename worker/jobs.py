@@ -25,6 +25,7 @@ from mlxq.worker.rows import Delta
 class Status(str, Enum):
     BUFFERED = "buffered"
     RUNNING = "running"
+    PAUSED = "paused"  # out of the batch for a higher level's job; its KV kept or dropped
     ENDING = "ending"
 
 
@@ -103,6 +104,7 @@ class Job:
         clean_requeues: Of those, runs handed back by a clean shutdown (not failures).
         enqueued_at: When it entered the queue (unix seconds), if known.
         epoch: The worker's lease epoch it was claimed under.
+        queue: The queue it was claimed from (its rq ``origin``).
     """
 
     id: str
@@ -112,6 +114,7 @@ class Job:
     clean_requeues: int = 0
     enqueued_at: float | None = None
     epoch: int = 0
+    queue: str = ""
     status: Status = Status.BUFFERED
     arrived_step: int = 0
     claimed_at: float = field(default_factory=time.monotonic)
@@ -129,6 +132,7 @@ class Job:
     ttl_refreshed_at: float = 0.0
     note: str = ""  # why it failed or went back, for its log line
     timed_out: bool = False  # it ran past its timeout (it ends failed, logged timed_out)
+    pauses: int = 0  # times it was paused for a higher level's job
 
     @property
     def job_id(self) -> str:

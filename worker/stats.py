@@ -9,7 +9,7 @@ have always found.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mlxq.producer.outcome import Outcome
@@ -60,6 +60,20 @@ class WorkerStats:
     batch_sizes: dict[str, int]
     #: Jobs this worker's heartbeat took back from dead workers (it fills this in).
     jobs_requeued_from_dead_workers: int = 0
+    #: The queues served, highest level first; ``levels`` the same grouped by level,
+    #: each queue with its weight (``[[["chat", 1]], [["a", 3], ["b", 1]]]``).
+    queues: list[str] = field(default_factory=list)
+    levels: list[list[list[Any]]] = field(default_factory=list)
+    #: Jobs paused now (out of the batch for a higher level's job), and since the start:
+    #: rows paused, rows put back, and prompt plus generated tokens prefilled again for
+    #: resumed rows whose KV had to be dropped.
+    paused: int = 0
+    preemptions: int = 0
+    resumes: int = 0
+    resume_tokens_recomputed: int = 0
+    #: Tokens decoded for each queue's jobs since the start, and jobs held now by queue.
+    tokens_by_queue: dict[str, int] = field(default_factory=dict)
+    held_by_queue: dict[str, int] = field(default_factory=dict)
 
     @property
     def state(self) -> str:
