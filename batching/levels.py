@@ -123,7 +123,7 @@ class Running:
 
     job_id: str
     level: int
-    started_step: int
+    started: float  # when it started (any clock, the later the younger)
     pauses: int
 
 
@@ -145,7 +145,7 @@ def to_pause(
     """
     candidates = sorted(
         (r for r in running if r.pauses < max_pauses),
-        key=lambda r: (r.level, r.started_step),
+        key=lambda r: (r.level, r.started),
     )
     out: list[str] = []
     for level in sorted(waiting):

@@ -181,28 +181,23 @@ WorkerFactory = Callable[..., WorkerProcess]
 def start_worker(
     redis_server: RedisServer, tiny_model: Path, tmp_path: Path, queue_name: str
 ) -> Iterator[WorkerFactory]:
-    """Start real workers: ``start_worker(max_batch=8, window_ms=50)``."""
+    """Start real workers: ``start_worker(max_batch=8, window_ms=50)``; ``queue`` may be a
+    list of ``--queue`` values (levels, first the highest)."""
     started: list[WorkerProcess] = []
 
     def start(
-        queue: str | None = None,
+        queue: str | list[str] | None = None,
         ready: bool = True,
         redis_url: str | None = None,
         model: Path | None = None,
         **opts: object,
     ) -> WorkerProcess:
-        q, url = queue or queue_name, redis_url or redis_server.url
+        values = [queue] if isinstance(queue, str) else list(queue or [queue_name])
+        q, url = values[0].split(",")[0].split(":")[0], redis_url or redis_server.url
         name = f"w{len(started)}-{uuid.uuid4().hex[:8]}"
-        args = [
-            "--model",
-            str(model or tiny_model),
-            "--redis-url",
-            url,
-            "--queue",
-            q,
-            "--name",
-            name,
-        ]
+        args = ["--model", str(model or tiny_model), "--redis-url", url, "--name", name]
+        for v in values:
+            args += ["--queue", v]
         for k, v in opts.items():  # True: a flag without a value
             args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
         w = WorkerProcess(args, tmp_path / f"worker{len(started)}.log", url, q, name)

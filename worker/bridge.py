@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -54,6 +54,11 @@ BLOCK_S = 1.0
 #: A job handed to this worker and not claimed within this long (it stayed full) goes
 #: back to the queue at its next heartbeat, for any worker: nothing waits on a busy one.
 HAND_GRACE_MS = 500
+#: Serving several queues, an idle worker blocks on its first level's queue this long at a
+#: time and looks at the others in between: Redis can block one move on one list only
+#: (BLMPOP takes several, but its pop and the push to the WIP list are not one step, so a
+#: worker killed between them would lose the job).
+POLL_S = 0.05
 
 
 def _wrong_type(e: redis.ResponseError) -> bool:
@@ -62,27 +67,34 @@ def _wrong_type(e: redis.ResponseError) -> bool:
 
 
 class Bridge:
-    """One worker's Redis: its queue, its WIP list, its lease, rq's records.
+    """One worker's Redis: its queues, its WIP list, its lease, rq's records.
+
+    One WIP list holds the jobs of every queue it serves; each job's scripts write its own
+    queue's registries and requeue it to its own queue (rq's ``origin``).
 
     Args:
-        config: The worker's configuration (URL, queue, name, TTLs).
+        config: The worker's configuration (URL, queues, name, TTLs).
     """
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.name = config.worker_name
-        self.queue_name = config.queue
+        self.queue_name = config.queue  # the first queue
+        self.queues = config.levels.queues
         # Thread-safe pools: one for the writer, liveness and cancels; one whose commands
         # are never retried blindly, for moving jobs (a lost reply there is reconciled).
         self.redis = connect(config.redis_url)
         self.mover = connect(config.redis_url, retries=0, socket_timeout=BLOCK_S + 10)
         self.epoch = 0
         self.token = self._new_token()
-        self.k = WorkerKeys.of(config.queue, self.name)
-        self.rq_queue = Queue(config.queue, connection=self.redis, serializer=MsgpackSerializer)
+        self.k = WorkerKeys.of(config.queue, self.name, self.queues)
+        self.keys_of = {q: WorkerKeys.of(q, self.name, self.queues) for q in self.queues}
+        rq_queues = [
+            Queue(q, connection=self.redis, serializer=MsgpackSerializer) for q in self.queues
+        ]
         # rq's own job log lines would name a job by its description; mlxq logs its own.
         self.rq_worker = SimpleWorker(
-            [self.rq_queue],
+            rq_queues,
             connection=self.redis,
             name=self.name,
             serializer=MsgpackSerializer,
@@ -101,7 +113,7 @@ class Bridge:
         self.rq_worker.register_birth()
         # rq lists a queue once something was enqueued to it; a served queue is listed
         # (in `mlxq info`, `rq info`) from the moment its first worker starts.
-        self.redis.sadd(keys.RQ_QUEUES, self.k.queue)
+        self.redis.sadd(keys.RQ_QUEUES, *(k.queue for k in self.keys_of.values()))
         self.set_state("idle")
         self.beat()
 
@@ -151,14 +163,16 @@ class Bridge:
         return scripts.call(self.redis, lua.rejoin(self.k, self.token, Now.read(), LEASE_MS))
 
     def roll(self) -> list[tuple[str, str | None]]:
-        """Every worker on this queue's roll, with its lease value (None: none)."""
-        names = sorted(text(n) for n in self.redis.smembers(self.k.roll))
+        """Every worker on the roll of a queue this one serves, with its lease value
+        (None: none)."""
+        names = sorted({text(n) for r in self.k.rolls for n in self.redis.smembers(r)})
         values = self.redis.mget([keys.alive_key(n) for n in names]) if names else []
         return [(n, None if v is None else text(v)) for n, v in zip(names, values, strict=True)]
 
     def reap(self, worker: str, seen: str | None) -> list[str] | None:
-        """Requeue a dead worker's jobs; None when it turned out alive."""
-        dead = WorkerKeys.of(self.queue_name, worker)
+        """Requeue a dead worker's jobs, each to its own queue, and take it off the rolls
+        of this worker's queues; None when it turned out alive."""
+        dead = WorkerKeys.of(self.queue_name, worker, self.queues)
         return scripts.call(self.redis, lua.reap(dead, seen, Now.read(), REAPED_TTL))
 
     def refresh(self, running: Sequence[tuple[str, str]]) -> None:
@@ -166,8 +180,9 @@ class Bridge:
         scripts.call(self.redis, lua.refresh(self.k, self.token, Now.read(), STARTED_TTL, running))
 
     def sweep(self) -> None:
-        """rq's registry maintenance for this queue (:func:`rq_compat.sweep`)."""
-        rq_compat.sweep(self.redis, self.queue_name)
+        """rq's registry maintenance for these queues (:func:`rq_compat.sweep`)."""
+        for q in self.queues:
+            rq_compat.sweep(self.redis, q)
 
     def write_stats(self, state: str, stats: dict[str, Any]) -> None:
         key = self.k.stats
@@ -195,14 +210,16 @@ class Bridge:
 
     # -- moving jobs (the prefetch thread) ---------------------------------------------
 
-    def wait_for_job(self, timeout: float = BLOCK_S) -> bytes | None:
-        """Block until one job id moves from the queue into this worker's WIP list, or
-        another worker hands this one a job and wakes it (then None, as on a timeout):
-        :meth:`~mlxq.worker.routing.Router.note_blocker` first, so it can."""
+    def wait_for_job(self, queue: str | None = None, timeout: float = BLOCK_S) -> bytes | None:
+        """Block until one job id moves from ``queue`` (None: the first) into this
+        worker's WIP list, or another worker hands this one a job and wakes it (then None,
+        as on a timeout): :meth:`~mlxq.worker.routing.Router.note_blocker` first, so it
+        can."""
+        k = self.keys_of[queue] if queue is not None else self.k
         # redis-py annotates an int; BLMOVE takes fractions of a second (Redis >= 6).
         try:
             raw = self.mover.blmove(
-                self.k.queue,
+                k.queue,
                 self.k.wip,
                 timeout,  # type: ignore[arg-type]
                 "LEFT",
@@ -223,11 +240,20 @@ class Bridge:
             return []  # made another type: nothing listed, and the next claim replaces it
         return [x for x in listed if isinstance(x, bytes)]
 
-    def claim(self, n: int, moved: Sequence[bytes] = ()) -> list[Claimed]:
-        """Claim up to ``n`` more jobs from the queue, plus ``moved`` (already in the WIP
-        list).
+    def claim(self, n: int | Mapping[str, int], moved: Sequence[bytes] = ()) -> list[Claimed]:
+        """Claim up to ``n`` more jobs from the first queue (or, for a map, up to ``n[q]``
+        from each queue ``q``, in the map's order, in one round trip), plus ``moved``
+        (already in the WIP list). Jobs handed here come first.
 
         Raises:
             LeaseLost: the lease is not this worker's; what it was handed went back.
         """
-        return scripts.call(self.mover, lua.claim(self.k, self.token, Now.read(), n, moved))
+        wanted = {self.queue_name: n} if isinstance(n, int) else dict(n)
+        now = Now.read()
+        calls = [
+            lua.claim(self.keys_of[q], self.token, now, count, moved if i == 0 else ())
+            for i, (q, count) in enumerate((q, c) for q, c in wanted.items() if c > 0)
+        ]
+        if not calls:
+            calls = [lua.claim(self.k, self.token, now, 0, moved)]
+        return [c for got in scripts.run(self.mover, calls) for c in got]

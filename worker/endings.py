@@ -93,7 +93,8 @@ class Endings:
             return
         self._next_deadline_check = now + DEADLINE_CHECK_S
         for job in self.held.jobs():
-            if job.status is Status.RUNNING and job.deadline is not None and now > job.deadline:
+            started = job.status in (Status.RUNNING, Status.PAUSED)  # paused: wall time counts
+            if started and job.deadline is not None and now > job.deadline:
                 job.timed_out = True
                 reason = f"timeout: ran longer than timeout={job.request.timeout:g} s"
                 self.end_running(job, Outcome.FAILED, job.fail(reason))
@@ -127,16 +128,17 @@ class Endings:
     def write_failed(self, job_id: str, why: str) -> None:
         """Fail a running job whose replay log cannot be written."""
         job = self.held.get(job_id)
-        if job is not None and job.status is Status.RUNNING:
+        if job is not None and job.status in (Status.RUNNING, Status.PAUSED):
             final = job.fail(f"its replay log cannot be written: {why}")
             self.end_running(job, Outcome.FAILED, final)
 
     def engine_error(self, e: Exception) -> None:
         """An MLX error leaves the batch state unusable. Jobs admitted since the last
         good step are the suspects and fail with the error; the others go back to the
-        queue and start again (MAX_ATTEMPTS bounds that)."""
+        queue and start again (MAX_ATTEMPTS bounds that), paused ones too (their KV went
+        with the batch)."""
         reason = f"engine error: {type(e).__name__}: {e}"
-        running = self.held.jobs(Status.RUNNING)
+        running = self.held.started()
         suspects = [j for j in running if j.id in self.fresh]
         log.exception(
             "engine step failed; failing %d suspect job(s), requeuing %d",
@@ -158,4 +160,4 @@ def _route(config: WorkerConfig, engine: Engine, job: Job) -> str | None:
         return None
     if len(job.prompt_ids) + job.generated < MIN_REUSE:
         return None
-    return finished_as(config.queue, job.request, "".join(job.text))
+    return finished_as(job.queue or config.queue, job.request, "".join(job.text))

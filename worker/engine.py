@@ -31,6 +31,9 @@ from mlxq.worker.rows import Delta, Row, RowStatus
 
 log = logging.getLogger("mlxq.worker")
 
+#: Paused rows' KV budget for a worker without a prompt cache.
+DEFAULT_PAUSED_KV_BYTES = 1 << 30
+
 
 class Engine:
     """A model, its tokenizer and one continuous batch of jobs.
@@ -44,6 +47,9 @@ class Engine:
         prompt_cache_bytes: Bytes of KV state kept for later jobs that start with the
             same tokens (see :mod:`mlxq.worker.prompt_cache`); 0: no prompt cache;
             None: :func:`~mlxq.worker.prompt_cache.default_budget`.
+        paused_kv_bytes: Bytes of KV state paused rows may keep (beside the prompt
+            cache's); past it the oldest pauses' KV is dropped (:meth:`pause`). None: the
+            prompt cache's budget, or :data:`DEFAULT_PAUSED_KV_BYTES` with no prompt cache.
     """
 
     def __init__(
@@ -55,6 +61,7 @@ class Engine:
         prefill_step_size: int = 2048,
         max_kv_size: int | None = None,
         prompt_cache_bytes: int | None = 0,
+        paused_kv_bytes: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
@@ -76,6 +83,9 @@ class Engine:
             if prompt_cache_bytes
             else None
         )
+        if paused_kv_bytes is None:
+            paused_kv_bytes = prompt_cache_bytes or DEFAULT_PAUSED_KV_BYTES
+        self.paused_kv_budget = paused_kv_bytes
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.counters = StepCounters()
         self.max_context = _context_length(model)
@@ -100,6 +110,7 @@ class Engine:
             config.model,
             max_batch=config.max_batch,
             prompt_cache_bytes=config.prompt_cache_bytes,
+            paused_kv_bytes=config.paused_kv_bytes,
         )
 
     @classmethod
@@ -233,7 +244,30 @@ class Engine:
             if not keep_kv:
                 row.kv = None
         self.counters.preemptions += len(rows)
+        self._fit_paused()
         return len(rows)
+
+    @property
+    def paused(self) -> int:
+        """Rows paused now."""
+        return sum(r.status is RowStatus.PAUSED for r in self._rows.values())
+
+    @property
+    def paused_kv_bytes(self) -> int:
+        """Bytes of KV state the paused rows keep."""
+        return sum(_kv_nbytes(r.kv) for r in self._rows.values() if r.status is RowStatus.PAUSED)
+
+    def _fit_paused(self) -> None:
+        """Drop the KV state of the rows paused longest ago until the rest fit the
+        budget: they resume by prefilling what they had (counted)."""
+        kept = [r for r in self._rows.values() if r.status is RowStatus.PAUSED and r.kv]
+        total = sum(_kv_nbytes(r.kv) for r in kept)
+        for row in kept:  # the dict keeps insertion order: the oldest pauses first
+            if total <= self.paused_kv_budget:
+                return
+            total -= _kv_nbytes(row.kv)
+            row.kv = None
+            log.info("job %s: its paused row's KV dropped (over the budget)", row.job.id)
 
     def resume(self, jobs: Iterable[Job]) -> None:
         """Put paused rows back into the batch. A row with its KV feeds its last token
@@ -364,6 +398,10 @@ class Engine:
             self.sampler.drop(row.uid)
         row.status = RowStatus.FINISHED
         row.kv = row.kv_tokens = None
+
+
+def _kv_nbytes(kv: list[Any] | None) -> int:
+    return sum(int(c.nbytes) for c in kv) if kv else 0
 
 
 def _context_length(model: Any) -> int | None:

@@ -46,11 +46,16 @@ class Held:
         with self._lock:
             self._jobs.clear()
 
-    def jobs(self, status: Status | None = None) -> list[Job]:
-        """The jobs past the prefetcher (of one status), in the order they came."""
+    def jobs(self, *status: Status) -> list[Job]:
+        """The jobs past the prefetcher (of these statuses; none: all), in the order they
+        came."""
         with self._lock:
             jobs = list(self._jobs.values())
-        return jobs if status is None else [j for j in jobs if j.status is status]
+        return jobs if not status else [j for j in jobs if j.status in status]
+
+    def started(self) -> list[Job]:
+        """The jobs whose run started and has not ended: running, or paused."""
+        return self.jobs(Status.RUNNING, Status.PAUSED)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -82,9 +87,18 @@ class Held:
             return (job is not None and job.status is not Status.ENDING) or job_id in self._ready
 
     def rows(self) -> tuple[int, int]:
-        """Jobs running and jobs buffered (past the prefetcher, waiting for a row)."""
+        """Jobs started (running, or paused for a higher level's job: both need a row)
+        and jobs buffered (past the prefetcher, waiting for a row)."""
         statuses = [j.status for j in self.jobs()]
-        return statuses.count(Status.RUNNING), statuses.count(Status.BUFFERED)
+        started = statuses.count(Status.RUNNING) + statuses.count(Status.PAUSED)
+        return started, statuses.count(Status.BUFFERED)
+
+    def by_queue(self) -> dict[str, int]:
+        """Jobs held (not ending) by queue."""
+        counts: dict[str, int] = {}
+        for j in self.jobs(Status.BUFFERED, Status.RUNNING, Status.PAUSED):
+            counts[j.queue] = counts.get(j.queue, 0) + 1
+        return counts
 
     def load(self) -> int:
         """Rows the worker holds, running or buffered."""
@@ -96,5 +110,5 @@ class Held:
         return [j.id for j in self.jobs() if j.status is not Status.ENDING]
 
     def running(self) -> list[tuple[str, str]]:
-        """(id, execution id) of the running jobs."""
-        return [(j.id, j.execution_id) for j in self.jobs(Status.RUNNING)]
+        """(id, execution id) of the started jobs (running or paused)."""
+        return [(j.id, j.execution_id) for j in self.started()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 
 from mlxq.batching.window import Window
 from mlxq.worker.bridge import Bridge
@@ -57,12 +58,15 @@ class Intake:
         self.window = Window(config.window_ms / 1000, config.max_batch)
 
     def want(self, closed: bool) -> None:
-        """Tell the prefetcher how many jobs to have ready (none when ``closed``)."""
-        buffered = len(self.held.jobs(Status.BUFFERED))
+        """Tell the prefetcher how many jobs to have ready (none when ``closed``), and
+        how many wait here for a row, by level."""
+        waiting = Counter(
+            self.prefetch.level(j.queue) for j in self.held.jobs(Status.BUFFERED, Status.PAUSED)
+        )
         # A whole batch in reserve: when every row ends at once (a sweep of equal jobs),
         # the next batch is ready to prefill in one pass.
-        want = self.engine.free_slots + self.config.max_batch - buffered
-        self.prefetch.want = 0 if closed else max(0, want)
+        want = self.engine.free_slots + self.config.max_batch
+        self.prefetch.plan(0 if closed else want, waiting)
 
     def take(self, steps: int, suspended: bool) -> None:
         """Take the ready jobs (at step ``steps``); idle, wait a little for some."""
@@ -71,7 +75,7 @@ class Intake:
             if not self.engine.active:
                 self.prefetch.wait(0.05)
             return
-        if self.engine.active or self.held.jobs(Status.BUFFERED):
+        if self.engine.active or self.held.jobs(Status.BUFFERED, Status.PAUSED):
             self.add(self.prefetch.take(), steps)
             return
         self.want(self._stop.is_set())
@@ -103,7 +107,7 @@ class Intake:
                 continue
             job.arrived_step = steps
             self.held.add(job)
-            log_queued(self.config.queue, job)
+            log_queued(job.queue, job)
 
     def hand_back(self, why: str, steps: int) -> None:
         """Give every job not running yet back to the queue's front, the prefetched ones

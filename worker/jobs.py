@@ -133,6 +133,7 @@ class Job:
     note: str = ""  # why it failed or went back, for its log line
     timed_out: bool = False  # it ran past its timeout (it ends failed, logged timed_out)
     pauses: int = 0  # times it was paused for a higher level's job
+    charged: int = 0  # tokens its queue's share was charged for it (levels.Shares)
 
     @property
     def job_id(self) -> str:

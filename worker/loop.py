@@ -2,7 +2,10 @@
 
 Each turn takes what the other threads sent (start verdicts, committed ends, cancels, a
 lost lease: :mod:`mlxq.worker.messages`), takes the jobs the prefetcher made ready
-(:mod:`mlxq.worker.intake`), admits them into free rows, runs one engine step, and hands
+(:mod:`mlxq.worker.intake`), admits them into free rows (the highest level with a job
+waiting first, by weight within a level: :class:`mlxq.batching.levels.Shares`; a job of a
+higher level that finds no free row pauses the youngest row of the lowest level running,
+which resumes, its KV kept, when a row is free at its level), runs one engine step, and hands
 each job's output to the writer: chunks when due, an end when the job left the batch
 (:mod:`mlxq.worker.endings`). It never waits on Redis; a row is free for the next job the
 moment its job ends. The threads around it are started and stopped by
@@ -20,6 +23,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from mlxq.batching.admission import AdmissionPolicy, admit
+from mlxq.batching.levels import Running, Shares, to_pause
 from mlxq.producer.codec import Chunk
 from mlxq.producer.outcome import Outcome
 from mlxq.worker import messages
@@ -77,6 +81,9 @@ class DecodeLoop:
         self.outcomes: Counter[Outcome] = Counter()
         self.metrics: NoMetrics = NoMetrics()
         self.suspended = False  # rq's suspend key is set: admit nothing new
+        self.shares = Shares(config.levels)
+        self.level = {q: config.levels.level_of(q) for q in config.levels.queues}
+        self.tokens_by_queue: Counter[str] = Counter(dict.fromkeys(config.levels.queues, 0))
         self._stop = threading.Event()
         self._hard = threading.Event()
         self.ends = Endings(config, engine, held, sink)
@@ -118,12 +125,106 @@ class DecodeLoop:
     # -- schedule ----------------------------------------------------------------------
 
     def _admit(self) -> None:
-        free = self.engine.free_slots
-        buffered = self.held.jobs(Status.BUFFERED)
-        if not buffered or free <= 0 or self._stop.is_set() or self.suspended:
+        """Fill free rows: paused jobs resume and waiting ones start, the highest level
+        first (stopping or suspended: only paused jobs, which started already)."""
+        paused = sorted(self.held.jobs(Status.PAUSED), key=lambda j: j.started_mono)
+        closed = self._stop.is_set() or self.suspended
+        buffered = [] if closed else self.held.jobs(Status.BUFFERED)
+        if not paused and not buffered:
+            return
+        if self.config.preempt and len(self.config.levels.levels) > 1:
+            self._preempt(paused + buffered)
+            paused = sorted(self.held.jobs(Status.PAUSED), key=lambda j: j.started_mono)
+        free = min(self.engine.free_slots, self.config.max_batch)
+        if free <= 0:
             return
         running = Counter(j.key for j in self.held.jobs(Status.RUNNING))
-        chosen = admit(buffered, running, min(free, self.config.max_batch), self.steps, self.policy)
+        # Each queue's jobs in the order they take its rows: paused ones first (they
+        # started first), then admission's order (FIFO, grouped by sampling params).
+        order: dict[str, list[Job]] = {}
+        for job in paused:
+            order.setdefault(job.queue, []).append(job)
+        waiting: dict[str, list[Job]] = {}
+        for job in buffered:
+            waiting.setdefault(job.queue, []).append(job)
+        for q, jobs in waiting.items():
+            slots = min(len(jobs), free)
+            order.setdefault(q, []).extend(admit(jobs, running, slots, self.steps, self.policy))
+        resume: list[Job] = []
+        chosen: list[Job] = []
+        while free > 0:
+            top = [q for q, jobs in order.items() if jobs and self._may_take(q, free)]
+            pick = self.shares.pick(top)
+            if pick is None:
+                break
+            job = order[pick].pop(0)
+            free -= 1
+            self._charge(job, job.request.max_tokens * job.request.n)
+            (resume if job.status is Status.PAUSED else chosen).append(job)
+        if resume:
+            self._resume(resume)
+        if chosen:
+            self._start(chosen)
+
+    def _may_take(self, queue: str, free: int) -> bool:
+        """Whether a job of ``queue`` may take one of ``free`` rows (``--reserve-rows``
+        keeps some for the first level)."""
+        return free > self.config.reserve_rows or self.level.get(queue, 0) == 0
+
+    def _charge(self, job: Job, upto: int) -> None:
+        """Charge a job's queue share so that, in all, it was charged ``upto`` tokens:
+        its budget (``max_tokens`` per choice) while it holds a row, what it made once
+        it left one."""
+        if job.queue in self.level:
+            self.shares.charge(job.queue, upto - job.charged)
+        job.charged = upto
+
+    def _preempt(self, waiting: list[Job]) -> None:
+        """Pause rows of the lowest level running for jobs of strictly higher levels that
+        find no free row (:func:`mlxq.batching.levels.to_pause`)."""
+        by_level = Counter(self.level.get(j.queue, 0) for j in waiting)
+        lowest_waiting = min(by_level)
+        running = self.held.jobs(Status.RUNNING)
+        if not running or max(self.level.get(j.queue, 0) for j in running) <= lowest_waiting:
+            return
+        candidates = [
+            Running(j.id, self.level.get(j.queue, 0), j.started_mono, j.pauses)
+            for j in running
+            if j.id not in self.ends.fresh  # not before its first step
+        ]
+        free = self.engine.free_slots
+        if lowest_waiting > 0:
+            free -= self.config.reserve_rows
+        ids = set(to_pause(by_level, candidates, max(0, free), self.config.max_pauses))
+        jobs = [j for j in running if j.id in ids]
+        if not jobs:
+            return
+        self.engine.pause(jobs)
+        for job in jobs:
+            job.status = Status.PAUSED
+            job.pauses += 1
+            self._charge(job, job.generated)
+            log.info(
+                "job %s (queue %s) paused after %d token(s): a job of a higher level waits",
+                job.id,
+                job.queue,
+                job.generated,
+            )
+
+    def _resume(self, jobs: list[Job]) -> None:
+        try:
+            self.engine.resume(jobs)
+        except Exception as e:  # its rows never went back: the job fails, not the batch
+            for job in jobs:
+                self.ends.end(
+                    job, Outcome.FAILED, job.fail(f"engine error: {type(e).__name__}: {e}")
+                )
+            return
+        for job in jobs:
+            job.status = Status.RUNNING
+        self.ends.fresh.update(j.id for j in jobs)
+
+    def _start(self, chosen: list[Job]) -> None:
         starts, resets, rows = [], [], []
         for job in chosen:
             if job.failed_attempts >= MAX_ATTEMPTS:
@@ -150,16 +251,18 @@ class DecodeLoop:
         self.ends.fresh.update(j.id for j in rows)
         self.metrics.started(rows)
         for job in rows:
-            log_started(self.config.queue, job)
+            log_started(job.queue, job)
 
     # -- run + postprocess -------------------------------------------------------------
 
     def _step(self) -> None:
         try:
-            touched = apply_deltas(self.engine.step())
+            deltas = self.engine.step()
+            touched = apply_deltas(deltas)
         except Exception as e:
             self.ends.engine_error(e)
             return
+        self.tokens_by_queue.update(d.job.queue for d in deltas)  # every job's is served
         self.steps += 1
         self.ends.fresh.clear()
         now = time.monotonic()
@@ -230,9 +333,11 @@ class DecodeLoop:
         if job is None or job.status is not Status.ENDING:
             return  # gone already, or claimed afresh after its hand-back committed
         self.held.settle(job_id)
+        if job.charged:
+            self._charge(job, job.generated)
         self.outcomes[outcome] += 1
         self.metrics.settled(job, outcome)
-        log_end(self.config.queue, job, outcome)
+        log_end(job.queue, job, outcome)
 
     def _suspend(self, suspended: bool) -> None:
         self.suspended = suspended
@@ -267,17 +372,14 @@ class DecodeLoop:
         self.prefetch.stop()
         self.intake.hand_back("shutting down", self.steps)
         deadline = time.monotonic() + self.config.grace_s
-        while (
-            self.held.jobs(Status.RUNNING)
-            and time.monotonic() < deadline
-            and not self._hard.is_set()
-        ):
+        while self.held.started() and time.monotonic() < deadline and not self._hard.is_set():
             self._handle_inbox()
             self.ends.check_deadlines()
+            self._admit()  # stopping: paused jobs resume as rows free, nothing new starts
             if self.engine.active:
                 self._step()
         why = "second stop signal" if self._hard.is_set() else "grace period over"
-        self.ends.release(self.held.jobs(Status.RUNNING), ReleaseMode.CLEAN, why)
+        self.ends.release(self.held.started(), ReleaseMode.CLEAN, why)
         settle = time.monotonic() + SETTLE_S
         while len(self.held) and time.monotonic() < settle:
             self._handle_inbox()

@@ -189,6 +189,13 @@ COUNTERS = (
         "Prompt tokens taken from the prompt cache instead of prefilled",
     ),
     ("mlxq_generation_tokens", "tokens_generated", "Tokens generated"),
+    ("mlxq_preemptions", "preemptions", "Rows paused for a higher level's job"),
+    ("mlxq_resumes", "resumes", "Paused rows put back into the batch"),
+    (
+        "mlxq_resume_tokens_recomputed",
+        "resume_tokens_recomputed",
+        "Tokens prefilled again for resumed rows whose KV was dropped",
+    ),
     ("mlxq_decode_steps", "decode_steps", "Decode steps run"),
     ("mlxq_vectorized_steps", "vectorized_steps", "Decode steps sampled in one call"),
     (
@@ -220,6 +227,17 @@ class _StatsCollector(Collector):
             "Jobs claimed by this worker, waiting for a row",
             s.buffered,
         )
+        yield GaugeMetricFamily(
+            "mlxq_num_requests_paused",
+            "Jobs paused for a higher level's job (their KV kept, or to prefill again)",
+            s.paused,
+        )
+        by_queue = CounterMetricFamily(
+            "mlxq_queue_generation_tokens", "Tokens generated, by queue", labels=["queue"]
+        )
+        for q, n in s.tokens_by_queue.items():
+            by_queue.add_metric([q], n)
+        yield by_queue
         for name, key, doc in COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(s, key))
         yield GaugeMetricFamily(
@@ -281,18 +299,21 @@ class Metrics(NoMetrics):
         self.queue_time = Histogram(
             "mlxq_request_queue_time_seconds",
             "Seconds from enqueue to the start of the run",
+            ["queue"],
             buckets=E2E_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "mlxq_time_to_first_token_seconds",
             "Seconds from enqueue to the run's first token",
+            ["queue"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "mlxq_e2e_request_latency_seconds",
             "Seconds from enqueue to the job's end",
+            ["queue"],
             buckets=E2E_BUCKETS,
             registry=r,
         )
@@ -330,7 +351,9 @@ class Metrics(NoMetrics):
     def started(self, jobs: Sequence[Job]) -> None:
         for job in jobs:
             if job.enqueued_at is not None:
-                self.queue_time.observe(max(0.0, job.started_at - job.enqueued_at))
+                self.queue_time.labels(job.queue).observe(
+                    max(0.0, job.started_at - job.enqueued_at)
+                )
 
     def step(self, now: float, touched: Sequence[Job]) -> None:
         """One engine step ended at ``now`` (monotonic); ``touched`` made a token each."""
@@ -340,7 +363,7 @@ class Metrics(NoMetrics):
         for job in touched:
             if job.generated == job.request.n:  # the first token of each choice
                 since = job.enqueued_at if job.enqueued_at is not None else job.started_at
-                self.ttft.observe(max(0.0, wall - since))
+                self.ttft.labels(job.queue).observe(max(0.0, wall - since))
             else:
                 later += 1
         if later and self._last_step is not None:
@@ -351,4 +374,4 @@ class Metrics(NoMetrics):
         if outcome is Outcome.FINISHED and job.finish_reason:
             self.success.labels(job.finish_reason).inc()
         if outcome in TERMINAL and job.enqueued_at is not None:
-            self.e2e.observe(max(0.0, time.time() - job.enqueued_at))
+            self.e2e.labels(job.queue).observe(max(0.0, time.time() - job.enqueued_at))

@@ -1,9 +1,14 @@
 """Jobs claimed, decoded and tokenized ahead of need, off the decode thread.
 
-The decode loop says how many jobs it could use soon (``want``); this thread keeps that
-many ready in a local buffer: it claims them in bulk (one script call moves and reads
-many), checks each payload by name, tokenizes it, and hands over :class:`Job` records.
-When the queue is empty it blocks on it, so an idle worker hears of a job at once. A job
+The decode loop says how many jobs it could use soon and how many wait at each level
+(:meth:`Prefetcher.plan`); this thread keeps that many ready in a local buffer: it claims
+them in bulk (one script call per queue moves and reads many, all in one round trip),
+checks each payload by name, tokenizes it, and hands over :class:`Job` records. Serving
+several levels, it claims for the highest first, and a level sees only the jobs of its
+own and higher levels as ready: a buffer full of a sweep's jobs never keeps a chat job
+in Redis, and a million-job sweep stays there. When the queues are empty it blocks on
+the first, so an idle worker hears of a job at once (the others are looked at every
+:data:`~mlxq.worker.bridge.POLL_S`). A job
 that cannot run (unreadable, invalid, too long, past its ttl) fails here, by its reason,
 through the writer; it never reaches the decode loop. A chat turn whose history another
 worker holds in its prompt cache is handed to that worker here, before it is tokenized
@@ -13,18 +18,20 @@ worker holds in its prompt cache is handed to that worker here, before it is tok
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from datetime import datetime
 
 import redis
 
+from mlxq.batching.levels import Levels
 from mlxq.producer.codec import decode_job_data
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
-from mlxq.worker.bridge import Bridge
+from mlxq.worker.bridge import BLOCK_S, POLL_S, Bridge
 from mlxq.worker.errors import LeaseLost
 from mlxq.worker.held import Held
 from mlxq.worker.jobs import Job
@@ -99,6 +106,7 @@ class Prefetcher(Helper):
         max_prompt_chars: Longest prompt (characters) worth tokenizing for this model.
         held: The jobs the worker holds; the ones ready here are marked in it.
         routing: Hand chat turns to the worker holding their history.
+        levels: The queues served, by level (None: the bridge's one queue).
     """
 
     error_wait_s = 0.5
@@ -113,6 +121,7 @@ class Prefetcher(Helper):
         max_prompt_chars: int,
         held: Held,
         routing: bool,
+        levels: Levels | None = None,
     ) -> None:
         super().__init__("mlxq-prefetch", "prefetch", join_s=10)
         self.bridge, self.sink, self.encode = bridge, sink, encode
@@ -120,7 +129,10 @@ class Prefetcher(Helper):
         self.max_prompt_chars = max_prompt_chars
         self.routing = routing
         self.router = Router(bridge)
-        self.want = 0
+        self.levels = levels or Levels.parse([bridge.queue_name])
+        self._level = {q: self.levels.level_of(q) for q in self.levels.queues}
+        self.want = 0  # jobs the loop could use soon, beside those waiting for a row
+        self._waiting: Mapping[int, int] = {}  # jobs the loop holds waiting, by level
         self.failed = 0
         self.handed = 0  # jobs handed to another worker
         self.handed_in = 0  # jobs another worker handed this one
@@ -141,6 +153,17 @@ class Prefetcher(Helper):
             self._paused.clear()
             with self._cond:
                 self._cond.notify_all()
+
+    def plan(self, want: int, waiting: Mapping[int, int]) -> None:
+        """Have jobs ready for ``want`` rows, beside ``waiting`` (the jobs the loop holds
+        waiting for a row, by level): a level claims only for the rows its own and higher
+        levels' jobs leave."""
+        with self._cond:
+            self.want, self._waiting = want, dict(waiting)
+
+    def level(self, queue: str) -> int:
+        """A queue's level (0 the highest); a queue this worker does not serve: the lowest."""
+        return self._level.get(queue, len(self.levels.levels) - 1)
 
     def take(self) -> list[Job]:
         """Everything ready, in claim order (called by the decode loop)."""
@@ -172,13 +195,25 @@ class Prefetcher(Helper):
         self._resync = True
         super()._on_error(error)
 
-    def _need(self) -> int:
+    def _needs(self) -> dict[str, int]:
+        """How many jobs to claim from each queue, highest level first (none: nothing to
+        claim now, after a short wait)."""
         with self._cond:
-            need = self.want - len(self._ready)
-            if need <= 0 or self._paused.is_set():
+            needs: dict[str, int] = {}
+            if not self._paused.is_set():
+                have = Counter(self.level(j.queue) for j in self._ready)
+                above = 0
+                for i, level in enumerate(self.levels.levels):
+                    above += self._waiting.get(i, 0) + have[i]
+                    need = self.want - above
+                    if need <= 0:
+                        continue
+                    total = sum(s.weight for s in level)
+                    for s in level:  # a level's rows split by weight, each queue at least 1
+                        needs[s.queue] = max(1, math.ceil(need * s.weight / total))
+            if not needs:
                 self._cond.wait(0.05)
-                return 0
-            return need
+            return needs
 
     def _turn(self) -> None:
         if self._resync:
@@ -190,19 +225,24 @@ class Prefetcher(Helper):
             self._resync = False
             if stray:
                 self._accept(self._claim_each(stray))
-        need = self._need()
-        if need <= 0:
+        needs = self._needs()
+        if not needs:
             return
-        claimed = self.bridge.claim(need)
+        claimed = self.bridge.claim(needs)
         if not claimed:
+            # Nothing in any queue: block on the highest that wants jobs (every queue but
+            # one is looked at again every POLL_S).
+            queue = next(iter(needs))
             self.router.note_blocker()
-            first = self.bridge.wait_for_job()
+            wait = BLOCK_S if len(self.levels.queues) == 1 else POLL_S
+            first = self.bridge.wait_for_job(queue, wait)
             if first is None:
                 return
             if self._stop.is_set():  # stopping: hand it straight back
                 self.sink.release(ReleaseMode.REQUEUE, [first])
                 return
-            claimed = self.bridge.claim(need - 1, [first])
+            needs[queue] -= 1
+            claimed = self.bridge.claim(needs, [first])
         self._accept(claimed)
 
     def _claim_each(self, stray: list[bytes]) -> list[Claimed]:
@@ -283,6 +323,9 @@ class Prefetcher(Helper):
             c.clean,
             _timestamp(c.enqueued_at),
             epoch=self.bridge.epoch,
+            # A job whose record names a queue this worker does not serve (a rogue
+            # origin on a handed job) is scheduled as its first queue's.
+            queue=c.queue if c.queue in self._level else self.bridge.queue_name,
         )
 
     def _refused(self, job_id: str, c: Claimed) -> None:
@@ -301,7 +344,7 @@ class Prefetcher(Helper):
                 log,
                 "canceled",
                 job_id,
-                self.bridge.queue_name,
+                c.queue or self.bridge.queue_name,
                 c.attempts + 1,
                 reason="canceled before it started",
             )
@@ -311,7 +354,7 @@ class Prefetcher(Helper):
             log,
             "failed",
             job_id,
-            self.bridge.queue_name,
+            c.queue or self.bridge.queue_name,
             c.attempts + 1,
             logging.WARNING,
             reason=f"before start: {reason}",

@@ -25,6 +25,7 @@ from mlxq.worker.cancels import CancelListener
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.engine import Engine
 from mlxq.worker.held import Held
+from mlxq.worker.jobs import Status
 from mlxq.worker.liveness import Liveness
 from mlxq.worker.loop import SETTLE_S, DecodeLoop
 from mlxq.worker.messages import Inbox
@@ -66,6 +67,7 @@ class Worker:
             max_prompt_chars=_max_prompt_chars(self.engine),
             held=self.held,
             routing=config.routing,
+            levels=config.levels,
         )
         self.liveness = Liveness(
             self.bridge,
@@ -100,9 +102,9 @@ class Worker:
         for t in (self.sink, self.liveness, self.cancels, self.prefetch):
             t.start()
         log.info(
-            "worker %s serving queue %r with %s (max_batch=%d, window=%.0f ms)",
+            "worker %s serving %s with %s (max_batch=%d, window=%.0f ms)",
             self.name,
-            self.config.queue,
+            _levels_text(self.config),
             self.config.model,
             self.config.max_batch,
             self.config.window_ms,
@@ -131,6 +133,7 @@ class Worker:
         """What this worker says of itself now (safe from any thread)."""
         c = self.engine.counters
         running, buffered = self.held.rows()
+        paused = len(self.held.jobs(Status.PAUSED))
         outcomes, suspended = self.loop.outcomes, self.loop.suspended
         # Stopping or suspended: no free rows, so no chat turn is handed here.
         closed = suspended or self.loop.stopping
@@ -167,4 +170,23 @@ class Worker:
             cancels_ignored=self.cancels.ignored,
             started_at=self.born,
             batch_sizes={str(k): v for k, v in sorted(c.batch_sizes.items())},
+            queues=list(self.config.levels.queues),
+            levels=[[[s.queue, s.weight] for s in level] for level in self.config.levels.levels],
+            paused=paused,
+            preemptions=c.preemptions,
+            resumes=c.resumes,
+            resume_tokens_recomputed=c.resume_tokens_recomputed,
+            tokens_by_queue=dict(self.loop.tokens_by_queue),
+            held_by_queue=self.held.by_queue(),
         )
+
+
+def _levels_text(config: WorkerConfig) -> str:
+    """``queue 'default'``, or ``queues chat > team-a:3,team-b:1 > sweeps`` (by level)."""
+    levels = config.levels.levels
+    if len(config.levels.queues) == 1:
+        return f"queue {config.queue!r}"
+    shown = [
+        ",".join(s.queue + (f":{s.weight}" if len(lv) > 1 else "") for s in lv) for lv in levels
+    ]
+    return "queues " + " > ".join(shown)

@@ -117,11 +117,10 @@ class Router:
         it (``held``: rows this worker holds besides these); the rest stay. A hand-off that
         cannot be made leaves the job here; one whose reply was lost leaves it to the next
         look over the WIP list."""
-        queue = self.bridge.queue_name
         wanted = [
             (i, k)
             for i, (_, c, req) in enumerate(checked)
-            if not c.handed and (k := continues(queue, req)) is not None
+            if not c.handed and (k := continues(c.queue, req)) is not None
         ]
         if not wanted:
             return HandOff(checked, 0)
@@ -149,7 +148,7 @@ class Router:
                     continue
                 gone.add(i)
                 handed += 1
-                job_event(log, "handed", job_id, queue, c.attempts + 1, logging.DEBUG, to=to)
+                job_event(log, "handed", job_id, c.queue, c.attempts + 1, logging.DEBUG, to=to)
                 self.wake(to, job_id)
         except Exception as e:  # the jobs not yet handed run here, as without routing
             log.warning("prefetch: handing chat turns on failed (%s); running them here", e)

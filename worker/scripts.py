@@ -65,7 +65,9 @@ class Now:
 
 @dataclass(frozen=True, slots=True)
 class WorkerKeys:
-    """The keys of one worker on one queue that its scripts touch."""
+    """The keys of one worker that its scripts touch: its own, and its first queue's
+    (each job's scripts write its own queue's registries; these are for a job whose record
+    names none); ``rolls`` are the rolls of every queue it serves."""
 
     worker: str
     queue_name: str
@@ -83,10 +85,17 @@ class WorkerKeys:
     blocker: str
     stats: str
     reaped: str
+    rolls: tuple[str, ...] = ()
+
+    @property
+    def other_rolls(self) -> list[str]:
+        return [r for r in self.rolls if r != self.roll]
 
     @classmethod
-    def of(cls, queue: str, worker: str) -> WorkerKeys:
+    def of(cls, queue: str, worker: str, queues: Sequence[str] = ()) -> WorkerKeys:
+        """The keys of ``worker`` serving ``queue`` first, then the rest of ``queues``."""
         return cls(
+            rolls=tuple(keys.workers_key(q) for q in dict.fromkeys([queue, *queues])),
             worker=worker,
             queue_name=queue,
             queue=keys.queue_key(queue),
@@ -118,7 +127,9 @@ def script_call(
 
 def beat(k: WorkerKeys, token: str, lease_ms: int) -> Call[str]:
     """Keep the lease: ``ok``, ``renewed`` or ``reaped``."""
-    return script_call("beat", [k.alive, k.roll, k.reaped], [token, k.worker, lease_ms], text)
+    return script_call(
+        "beat", [k.alive, k.roll, k.reaped, *k.other_rolls], [token, k.worker, lease_ms], text
+    )
 
 
 def giveback(k: WorkerKeys, token: str, cutoff_ms: int) -> Call[int]:
@@ -130,7 +141,7 @@ def leave(k: WorkerKeys, token: str, settled: bool) -> Call[tuple[str, int]]:
     """Leave for good: (``left`` | ``stays``, how many handed jobs went back)."""
     return script_call(
         "leave",
-        [k.alive, k.roll, k.stats, k.handed, k.wip, k.queue],
+        [k.alive, k.roll, k.stats, k.handed, k.wip, k.queue, *k.other_rolls],
         [token, k.worker, "1" if settled else ""],
         lambda r: (text(r[0]), int(r[1])),
     )
@@ -143,7 +154,7 @@ def _reap_keys(k: WorkerKeys) -> list[str]:
 def rejoin(k: WorkerKeys, token: str, now: Now, lease_ms: int) -> Call[int]:
     """Start over under a new token: how many entries went back to the queue."""
     args: list[Arg] = [token, k.worker, now.ts, now.text, keys.DEFAULT_FAILURE_TTL, NOTICE]
-    return script_call("rejoin", _reap_keys(k), [*args, lease_ms], int)
+    return script_call("rejoin", [*_reap_keys(k), *k.other_rolls], [*args, lease_ms], int)
 
 
 def _reaped(out: Any) -> list[str] | None:
@@ -151,9 +162,11 @@ def _reaped(out: Any) -> list[str] | None:
 
 
 def reap(dead: WorkerKeys, seen: str | None, now: Now, marker_ttl: int) -> Call[list[str] | None]:
-    """Requeue a dead worker's jobs: their ids, or None when it turned out alive."""
+    """Requeue a dead worker's jobs, each to its own queue, and take it off ``dead``'s
+    rolls: their ids, or None when it turned out alive."""
     args: list[Arg] = [dead.worker, seen or "", now.ts, now.text, keys.DEFAULT_FAILURE_TTL]
-    return script_call("reap", _reap_keys(dead), [*args, NOTICE, marker_ttl], _reaped)
+    keys_ = [*_reap_keys(dead), *dead.other_rolls]
+    return script_call("reap", keys_, [*args, NOTICE, marker_ttl], _reaped)
 
 
 def refresh(
@@ -185,6 +198,7 @@ class Claimed:
     enqueued_at: str = ""
     detail: str = ""
     handed: bool = False  # another worker handed it here (it is never handed on)
+    queue: str = ""  # the queue it came from (rq's ``origin``)
 
 
 def _claimed(k: WorkerKeys, out: Any) -> list[Claimed]:
@@ -202,9 +216,18 @@ def _claimed(k: WorkerKeys, out: Any) -> list[Claimed]:
             )
             continue
         if verdict == "ok":
-            handed = e[6] == b"1"
+            handed, queue = e[6] == b"1", text(e[7]) if len(e) > 7 else k.queue_name
             claimed.append(
-                Claimed(e[0], verdict, e[2], int(e[3]), int(e[4]), text(e[5]), handed=handed)
+                Claimed(
+                    e[0],
+                    verdict,
+                    e[2],
+                    int(e[3]),
+                    int(e[4]),
+                    text(e[5]),
+                    handed=handed,
+                    queue=queue,
+                )
             )
         else:
             claimed.append(Claimed(e[0], verdict, detail=" ".join(text(x) for x in e[2:])))

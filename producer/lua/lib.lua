@@ -65,6 +65,22 @@ local function heal(id, wip, fields, exec)
   return table.concat(notes, '; '), record
 end
 
+-- The queue job ``id`` came from: rq's ``origin`` in its record, or nil when that names no
+-- queue (missing, empty, too long, control characters: a rogue write). The worker serves
+-- several queues with one WIP list, so a job's registries are its own queue's.
+local function origin(id)
+  local o = redis.pcall('HGET', jkey(id), 'origin')
+  if type(o) ~= 'string' or #o == 0 or #o > 128 or string.find(o, '%c') then return nil end
+  return o
+end
+
+-- Key ``prefix`` (K_QUEUE, K_STARTED, ...) of queue ``o``, or ``default`` (the caller's own
+-- queue's) when ``o`` is nil.
+local function okey(o, prefix, default)
+  if o then return prefix .. o end
+  return default
+end
+
 -- Close a job's rq execution: its hash, its registry entries and the worker's index.
 local function end_execution(id, exec, started, worker_execs)
   if exec == nil or exec == '' then return end
@@ -150,15 +166,19 @@ local function requeue_one(id, c, owns, clean)
   local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_exec',
                        'failure_ttl')
   local status, owner = f[1], f[2] or ''
+  local o = origin(id)
   if not owns(owner) then
     redis.call('LREM', c.wip, 1, id)
     return 'skipped'
   end
   if redis.call('LREM', c.wip, 1, id) == 0 then return 'skipped' end
   if status == nil or TERMINAL[status] then return 'ended' end
-  if status == 'started' then end_execution(id, f[4], c.started, c.worker_execs) end
+  if status == 'started' then
+    end_execution(id, f[4], okey(o, K_STARTED, c.started), c.worker_execs)
+  end
   if f[3] == '1' then
-    mark_canceled(id, c.canceled, f[5], c.now_ts, c.now_str, c.notice, c.max_ttl)
+    mark_canceled(id, okey(o, K_CANCELED, c.canceled), f[5], c.now_ts, c.now_str, c.notice,
+                  c.max_ttl)
     return 'canceled'
   end
   redis.call('HSET', jk, 'status', 'queued')
@@ -167,12 +187,12 @@ local function requeue_one(id, c, owns, clean)
     local n = tonumber(redis.call('HGET', jk, 'mlxq_clean')) or 0
     redis.call('HSET', jk, 'mlxq_clean', n + 1)
   end
-  redis.call('LPUSH', c.queue, id)
+  redis.call('LPUSH', okey(o, K_QUEUE, c.queue), id)
   return 'requeued'
 end
 
 -- Jobs another worker handed this one (``handed``) before ``cutoff`` ms and not claimed go
--- back to ``queue``'s front, in the order they were handed; returns how many. At most
+-- back to their queue's front (``queue`` when a record names none), in the order they were handed; returns how many. At most
 -- ``most`` are looked at (-1: all), so a forged set cannot make a heartbeat long.
 local function give_back(handed, wip, queue, cutoff, most)
   if drop_wrong_type(handed, 'zset') then return 0 end
@@ -184,7 +204,7 @@ local function give_back(handed, wip, queue, cutoff, most)
     local unclaimed = not is_err(f) and f[1] == 'queued' and not f[2]
     local at = unclaimed and redis.pcall('LPOS', wip, id)
     if at and not is_err(at) then
-      if is_err(redis.pcall('LPUSH', queue, id)) then break end  -- out of memory: next call
+      if is_err(redis.pcall('LPUSH', okey(origin(id), K_QUEUE, queue), id)) then break end  -- out of memory: next call
       redis.call('LREM', wip, 1, id)
       n = n + 1
     end

@@ -1,13 +1,17 @@
 -- Claim jobs for a worker: move up to N more ids from the queue into its WIP list and read
 -- what it needs of each, size-capped, never decompressing anything here.
 -- Jobs another worker handed this one (its handed set) come first, then the queue's.
--- KEYS: queue, wip, alive, canceled registry, handed set
+-- A worker serving several queues claims from each with its own call; every job keeps
+-- its own queue (rq's ``origin``, set to the queue it was taken from should a rogue write
+-- have changed it), whose registries its later scripts write.
+-- KEYS: queue, wip, alive, canceled registry (the queue's), handed set
 -- ARGV: token, worker, now_ts, now_str, n, max_data_bytes, failure_ttl_cap, notice, ids...
 --   (ids: already moved into wip by a blocking BLMOVE, or found there by reconcile; one no
 --   longer there is 'missing')
 -- Returns {'lease'} when the worker's lease is not its own (it was declared dead: what it
 -- was handed goes back to the queue's front), else one entry per id:
---   {id, 'ok', data, attempt, clean, enqueued_at, handed ('1' or '')} | {id, 'dup', status}
+--   {id, 'ok', data, attempt, clean, enqueued_at, handed ('1' or ''), origin}
+--   | {id, 'dup', status}
 --   | {id, 'missing'} | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes}
 --   | {id, 'bad', field=value}
 --   | {id, 'broken', what} (its record was no hash: rebuilt as this worker's, to fail)
@@ -16,7 +20,8 @@
 local queue, wip, alive, canceled, handed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local n, cap, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
-local ids, seen = {}, {}
+local ids, seen, popped = {}, {}, {}
+local queue_name = string.sub(queue, #K_QUEUE + 1)
 for i = 9, #ARGV do
   if not seen[ARGV[i]] then ids[#ids + 1] = ARGV[i] end
   seen[ARGV[i]] = true
@@ -54,6 +59,7 @@ for _ = 1, n do
   local id = redis.pcall('LMOVE', queue, wip, 'LEFT', 'RIGHT')
   if is_err(id) or not id then break end
   ids[#ids + 1] = id
+  popped[id] = true
 end
 
 for _, id in ipairs(ids) do
@@ -64,7 +70,11 @@ for _, id in ipairs(ids) do
     f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_clean',
                    'mlxq_cancel', 'enqueued_at', 'failure_ttl', 'mlxq_handed')
     redis.call('ZREM', handed, id)  -- claimed (or dropped) here: never given back
+    if popped[id] and origin(id) ~= queue_name then
+      redis.pcall('HSET', jk, 'origin', queue_name)  -- a rogue origin: its queue is this one
+    end
   end
+  local o = origin(id)
   local status, owner = f[1], f[2] or ''
   if record == 'rebuilt' then
     out[#out + 1] = {id, 'broken', note}  -- this worker's now, to fail by that reason
@@ -77,14 +87,14 @@ for _, id in ipairs(ids) do
     out[#out + 1] = {id, 'dup', status}
   elseif f[5] == '1' then
     redis.call('LREM', wip, 1, id)
-    mark_canceled(id, canceled, f[7], now_ts, now_str, notice, max_ttl)
+    mark_canceled(id, okey(o, K_CANCELED, canceled), f[7], now_ts, now_str, notice, max_ttl)
     out[#out + 1] = {id, 'canceled'}
   else
     local w = redis.pcall('HSET', jk, 'mlxq_owner', worker)
     if is_err(w) then
       -- Not claimed after all: back to the queue's front, for whoever has memory.
       redis.call('LREM', wip, 1, id)
-      redis.call('LPUSH', queue, id)
+      redis.call('LPUSH', okey(o, K_QUEUE, queue), id)
       out[#out + 1] = {id, 'oom'}
     else
       local attempt, clean = tonumber(f[3] or '0'), tonumber(f[4] or '0')
@@ -99,7 +109,7 @@ for _, id in ipairs(ids) do
         out[#out + 1] = {id, 'toolarge', size}
       else
         out[#out + 1] = {id, 'ok', redis.call('HGET', jk, 'data'), attempt, clean, f[6] or '',
-                         f[8] and '1' or ''}
+                         f[8] and '1' or '', o or queue_name}
       end
     end
   end

@@ -1,6 +1,8 @@
 -- Commit the ends of started jobs: the last chunk, the result or failure, rq's registries.
 -- A pending cancel wins: a job whose cancel() returned True ends canceled, whatever it made.
 -- KEYS: alive, started, rq worker, rq worker executions, wip, finished, failed, canceled
+--   (the registries of the worker's first queue: each job's own queue's are written, and
+--   these only for a job whose record names no queue)
 -- ARGV: token, worker, now_ts, now_str, stream_ttl, default result ttl, default failure ttl,
 --       max ttl, then per job: id, outcome (finished|failed|canceled), execution id,
 --       value (rq result field: base64 return value, or base64 zlib failure text),
@@ -38,25 +40,26 @@ for i = 9, #ARGV, 9 do
     out[#out + 1] = {id, 'refused'}
   else
     if f[3] == '1' then outcome, chunk = 'canceled', ARGV[i + 8] end
-    end_execution(id, exec, started, worker_execs)
+    local o = origin(id)
+    end_execution(id, exec, okey(o, K_STARTED, started), worker_execs)
     if outcome == 'finished' then
       local ttl = record_ttl(f[5], result_ttl, max_ttl)
       redis.call('HSET', jk, 'status', 'finished', 'ended_at', now_str)
       add_result(id, 1, worker, 'return_value', value, exec, started_ts, now_ts, ttl)
-      redis.call('ZADD', finished, now_ts + ttl, id)
+      redis.call('ZADD', okey(o, K_FINISHED, finished), now_ts + ttl, id)
       redis.call('EXPIRE', jk, ttl)
       n_ok = n_ok + 1
     elseif outcome == 'failed' then
       local ttl = record_ttl(f[6], failure_ttl, max_ttl)
       redis.call('HSET', jk, 'status', 'failed', 'ended_at', now_str, 'exc_info', exc_info)
       add_result(id, 2, worker, 'exc_string', value, exec, started_ts, now_ts, ttl)
-      redis.call('ZADD', failed, now_ts + ttl, id)
+      redis.call('ZADD', okey(o, K_FAILED, failed), now_ts + ttl, id)
       redis.call('EXPIRE', jk, ttl)
       n_failed = n_failed + 1
     else
       outcome = 'canceled'
       redis.call('HSET', jk, 'status', 'canceled', 'ended_at', now_str)
-      redis.call('ZADD', canceled, now_ts, id)
+      redis.call('ZADD', okey(o, K_CANCELED, canceled), now_ts, id)
       redis.call('EXPIRE', jk, record_ttl(f[6], failure_ttl, max_ttl))
     end
     local how = write_chunk(id, seq, chunk, stream_ttl, true)

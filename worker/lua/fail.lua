@@ -1,7 +1,7 @@
 -- Fail claimed jobs that never started (unreadable, invalid, past their ttl, too long for
 -- the model): status FAILED with the reason, an error chunk for listeners. A job with a
 -- pending cancel ends canceled instead: its cancel() returned True, so that is its end.
--- KEYS: alive, wip, failed registry, canceled registry
+-- KEYS: alive, wip, failed registry, canceled registry (the first queue's: see end.lua)
 -- ARGV: token, worker, now_ts, now_str, stream_ttl, default failure ttl, max ttl, notice,
 --       then per job: id, value (base64 zlib reason), exc_info (zlib reason), seq, chunk
 -- Returns {'lease'} | {'oom'} | per job {id, 'failed' | 'canceled' | 'refused', what was
@@ -29,7 +29,8 @@ for i = 9, #ARGV, 5 do
   elseif f[4] == '1' then
     probed = true
     redis.call('LREM', wip, 1, id)
-    mark_canceled(id, canceled, f[3], now_ts, now_str, notice, max_ttl)
+    mark_canceled(id, okey(origin(id), K_CANCELED, canceled), f[3], now_ts, now_str, notice,
+                  max_ttl)
     out[#out + 1] = {id, 'canceled', note}
   else
     probed = true
@@ -37,7 +38,7 @@ for i = 9, #ARGV, 5 do
     local ttl = record_ttl(f[3], failure_ttl, max_ttl)
     redis.call('DEL', K_STREAM .. id)  -- it never ran: anything there is not its own
     add_result(id, 2, worker, 'exc_string', ARGV[i + 1], nil, nil, now_ts, ttl)
-    redis.call('ZADD', failed, now_ts + ttl, id)
+    redis.call('ZADD', okey(origin(id), K_FAILED, failed), now_ts + ttl, id)
     redis.call('EXPIRE', jk, ttl)
     write_chunk(id, ARGV[i + 3], ARGV[i + 4], stream_ttl, true)
     redis.call('LREM', wip, 1, id)

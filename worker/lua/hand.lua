@@ -4,7 +4,8 @@
 -- handed at most once, and only to a live worker with free rows that is not much busier
 -- than this one (a chat's turns follow its cache, but never pile onto one worker while
 -- another idles).
--- KEYS: alive, wip, to alive, to wip, to handed, to stats, the queue's roll of workers
+-- KEYS: alive, wip, to alive, to wip, to handed, to stats, the roll of workers of the job's
+--       queue (the first queue's is passed; the job's own is read)
 -- ARGV: token, worker, id, to name, now ms, handed set ttl ms, the most rows the other may
 --       hold (running and buffered, as its last stats said)
 -- Returns 'ok' | 'lease' | 'gone' (no live worker of this queue) | 'full' (no free row)
@@ -21,7 +22,7 @@ local f = redis.pcall('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_
 if is_err(f) or f[1] ~= 'queued' or f[2] ~= worker or f[3] == '1' or f[4] then return 'job' end
 if not redis.call('LPOS', wip, id) then return 'job' end
 if to == worker or redis.call('EXISTS', to_alive) == 0 then return 'gone' end
-local serves = redis.pcall('SISMEMBER', roll, to)  -- a worker of another queue: never
+local serves = redis.pcall('SISMEMBER', okey(origin(id), K_ROLL, roll), to)  -- a worker of another queue: never
 if is_err(serves) or serves == 0 then return 'gone' end
 f = redis.pcall('HMGET', to_stats, 'room', 'load')
 if is_err(f) or (tonumber(f[1]) or 0) < 1 then return 'full' end

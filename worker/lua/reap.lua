@@ -3,7 +3,9 @@
 -- happens; otherwise its lease is gone for good and, should it wake, it learns it owns
 -- nothing (the reaped marker) before it writes anything.
 -- KEYS: dead alive, dead wip, queue, roll, started, dead rq worker executions, reaped marker,
---       canceled registry
+--       canceled registry, more rolls it is taken off...
+-- Each job goes back to its own queue (rq's ``origin``); ``queue`` is for one whose record
+-- names none.
 -- ARGV: dead name, alive value the caller saw ('' for none), now_ts, now_str, max ttl, notice,
 --       marker ttl
 -- Returns {'alive'} | {'reaped', requeued ids...}.
@@ -27,4 +29,5 @@ end
 redis.call('DEL', wip)
 redis.call('SET', marker, 1, 'EX', tonumber(ARGV[7]))
 redis.call('SREM', roll, dead)
+for i = 9, #KEYS do redis.call('SREM', KEYS[i], dead) end
 return out

@@ -7,7 +7,7 @@ for i = 5, #ARGV, 2 do
   local id, exec = ARGV[i], ARGV[i + 1]
   heal(id, nil, nil, exec)
   local composite = id .. ':' .. exec
-  redis.call('ZADD', KEYS[2], 'XX', now_ts + ttl, composite)
+  redis.call('ZADD', okey(origin(id), K_STARTED, KEYS[2]), 'XX', now_ts + ttl, composite)
   redis.call('ZADD', K_EXECUTIONS .. id, 'XX', now_ts + ttl + 60, exec)
   redis.call('EXPIRE', K_EXECUTIONS .. id, ttl + 60)
   redis.call('HSET', K_EXECUTION .. composite, 'last_heartbeat', now_ts)

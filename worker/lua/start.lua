@@ -1,5 +1,6 @@
 -- Start claimed jobs: rq's states (STARTED, an execution, StartedJobRegistry) in bulk.
 -- KEYS: alive, started registry, rq worker key, rq worker executions, wip, canceled registry
+--   (the registries of the worker's first queue: see end.lua)
 -- ARGV: token, worker, now_ts, now_str, ttl, failure_ttl_cap, notice,
 --       then per job: id, attempts before this start, execution id
 -- Returns {'lease'} | {'oom'} | one entry per job: {id, 'ok', what was replaced ('' for
@@ -32,7 +33,8 @@ for i = 8, #ARGV, 3 do
     out[#out + 1] = {id, 'refused', 'status=' .. tostring(status) .. ' owner=' .. owner}
   elseif f[4] == '1' then
     redis.call('LREM', wip, 1, id)
-    mark_canceled(id, canceled, f[6], now_ts, now_str, notice, max_ttl)
+    mark_canceled(id, okey(origin(id), K_CANCELED, canceled), f[6], now_ts, now_str, notice,
+                  max_ttl)
     out[#out + 1] = {id, 'canceled'}
   else
     local attempt = before + 1
@@ -46,7 +48,7 @@ for i = 8, #ARGV, 3 do
     redis.call('EXPIRE', ek, ttl)
     redis.call('ZADD', K_EXECUTIONS .. id, now_ts + ttl + 60, exec)
     redis.call('EXPIRE', K_EXECUTIONS .. id, ttl + 60)
-    redis.call('ZADD', started, now_ts + ttl, composite)
+    redis.call('ZADD', okey(origin(id), K_STARTED, started), now_ts + ttl, composite)
     redis.call('SADD', worker_execs, composite)
     -- A first run has no log of its own yet: whatever sits under its name is forged.
     -- A later run keeps the log (listeners replay across runs) unless it is not a stream.
