@@ -454,8 +454,8 @@ def tiered(
 
 def _ran_on(r: Any, completion_id: str) -> tuple[str, str]:
     """The queue a completion's job was submitted to, and the worker that ran it."""
-    details = job_details(r, _job_id(completion_id))
-    assert details is not None and details["status"] == "finished", details
+    details = job_details(r, _job_id(completion_id))  # the worker is set when it starts
+    assert details is not None
     return details["queue"], details["worker"]
 
 
