@@ -111,14 +111,27 @@ class AsyncClient:
         self.subscriber = AsyncSubscriber(self.aredis)
         self.queue_name = queue
 
-    async def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> AsyncJob:
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        queue: str | None = None,
+        **options: Unpack[SubmitOptions],
+    ) -> AsyncJob:
         """Queue one job; the arguments of :meth:`Client.submit`."""
-        job = await asyncio.to_thread(self._sync.submit, prompt, **options)
+        job = await asyncio.to_thread(self._sync.submit, prompt, queue=queue, **options)
         return AsyncJob(self, job)
 
-    async def submit_many(self, jobs: Sequence[Mapping[str, Any]]) -> list[AsyncJob]:
+    async def submit_many(
+        self,
+        jobs: Sequence[Mapping[str, Any]],
+        *,
+        job_ids: Sequence[str] | None = None,
+        queue: str | None = None,
+    ) -> list[AsyncJob]:
         """Queue many jobs in one pipelined round trip; see :meth:`Client.submit_many`."""
-        return [AsyncJob(self, j) for j in await asyncio.to_thread(self._sync.submit_many, jobs)]
+        made = await asyncio.to_thread(self._sync.submit_many, jobs, job_ids=job_ids, queue=queue)
+        return [AsyncJob(self, j) for j in made]
 
     async def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, await asyncio.to_thread(self._sync.job, job_id))

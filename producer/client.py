@@ -63,6 +63,11 @@ def build_request(
     return GenerationRequest.from_arguments(arguments, max_tokens_cap=max_tokens_cap)
 
 
+def _check_queue(queue: Any) -> None:
+    if not isinstance(queue, str) or not queue or len(queue) > 128:
+        raise ValueError(f"queue={queue!r}: must be a non-empty string of at most 128 chars")
+
+
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -86,7 +91,8 @@ class Client:
 
     Args:
         redis_url: ``redis://[user:pass@]host:port/db`` or ``rediss://`` for TLS.
-        queue: Queue name; workers started with ``--queue`` of the same name serve it.
+        queue: The queue jobs go to unless a submit names another; workers started with
+            ``--queue`` of the same name serve it.
         max_tokens_cap: Largest ``max_tokens`` a job may ask for.
         result_ttl: Seconds a finished job's result is kept.
         failure_ttl: Seconds a failed job's record is kept.
@@ -105,8 +111,7 @@ class Client:
         max_queued: int | None = None,
         connection: redis.Redis | None = None,
     ) -> None:
-        if not isinstance(queue, str) or not queue or len(queue) > 128:
-            raise ValueError(f"queue={queue!r}: must be a non-empty string of at most 128 chars")
+        _check_queue(queue)
         for name, value, lo, hi in (
             ("max_tokens_cap", max_tokens_cap, 1, 1 << 24),
             ("result_ttl", result_ttl, 1, keys.MAX_RECORD_TTL),
@@ -123,8 +128,24 @@ class Client:
         self.failure_ttl = failure_ttl
         self.max_queued = max_queued
         self._queue = Queue(queue, connection=self.redis, serializer=MsgpackSerializer)
+        self._queues = {queue: self._queue}
 
-    def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> Job:
+    def _rq_queue(self, queue: str | None) -> Queue:
+        """The rq queue named ``queue`` (None: the client's own), made on first use."""
+        if queue is None:
+            return self._queue
+        if queue not in self._queues:
+            _check_queue(queue)
+            self._queues[queue] = Queue(queue, connection=self.redis, serializer=MsgpackSerializer)
+        return self._queues[queue]
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        queue: str | None = None,
+        **options: Unpack[SubmitOptions],
+    ) -> Job:
         """Queue one generation job.
 
         Its keyword arguments are the fields of
@@ -134,6 +155,7 @@ class Client:
 
         Args:
             prompt: Raw text, tokenized as is. Give exactly one of prompt / messages.
+            queue: The queue this job goes to; None: the client's own (``Client(queue=)``).
             messages: Chat turns ``[{"role": ..., "content": ...}]``, rendered with
                 the model's chat template; a turn may carry a ``"name"``, and its content
                 may be a list of text parts ``[{"type": "text", "text": ...}]`` (joined).
@@ -175,10 +197,14 @@ class Client:
             QueueFull: the queue holds ``max_queued`` jobs.
         """
         check_names(options, "Client.submit()")
-        return self.submit_many([{"prompt": prompt, **options}])[0]
+        return self.submit_many([{"prompt": prompt, **options}], queue=queue)[0]
 
     def submit_many(
-        self, jobs: Sequence[Mapping[str, Any]], *, job_ids: Sequence[str] | None = None
+        self,
+        jobs: Sequence[Mapping[str, Any]],
+        *,
+        job_ids: Sequence[str] | None = None,
+        queue: str | None = None,
     ) -> list[Job]:
         """Queue many jobs in one pipelined round trip; each map holds
         :meth:`submit`'s keyword arguments. All are checked before any is sent.
@@ -190,11 +216,14 @@ class Client:
                 ``-``), so it can record them before submitting (``mlxq run-batch`` does,
                 to re-attach after a crash instead of submitting again). Each must be
                 new: a job with the same id would be overwritten. None: fresh uuids.
+            queue: The queue these jobs go to; None: the client's own. ``max_queued``
+                caps each queue on its own.
 
         Raises:
-            ValueError: naming the job's index, the field and the value.
+            ValueError: naming the job's index, the field and the value, or a bad queue.
             QueueFull: the queue would exceed ``max_queued``.
         """
+        q = self._rq_queue(queue)
         ids = _check_ids(job_ids, len(jobs))
         reqs = []
         for i, kw in enumerate(jobs):
@@ -217,30 +246,28 @@ class Client:
             for r, job_id in zip(reqs, ids, strict=True)
         ]
         if self.max_queued is not None:
-            return self._enqueue_capped(datas, self.max_queued)
+            return self._enqueue_capped(q, datas, self.max_queued)
         handles: list[Job] = []
         # In slices, so a worker starts on the first jobs of a big sweep while the rest
         # are still being sent.
         for i in range(0, len(datas), SUBMIT_SLICE):
             with self.redis.pipeline() as pipe:
-                rq_jobs = self._queue.enqueue_many(datas[i : i + SUBMIT_SLICE], pipeline=pipe)
+                rq_jobs = q.enqueue_many(datas[i : i + SUBMIT_SLICE], pipeline=pipe)
                 pipe.execute()
             handles += [Job(self, j.id) for j in rq_jobs]
         return handles
 
-    def _enqueue_capped(self, datas: list[Any], cap: int) -> list[Job]:
+    def _enqueue_capped(self, q: Queue, datas: list[Any], cap: int) -> list[Job]:
         with self.redis.pipeline() as pipe:
             while True:
                 try:
                     # WATCH makes count-then-enqueue atomic across producers.
-                    pipe.watch(self._queue.key)
-                    queued = pipe.llen(self._queue.key)
+                    pipe.watch(q.key)
+                    queued = pipe.llen(q.key)
                     if queued + len(datas) > cap:
-                        raise QueueFull(
-                            f"queue {self.queue_name!r} holds {queued} jobs (max_queued={cap})"
-                        )
+                        raise QueueFull(f"queue {q.name!r} holds {queued} jobs (max_queued={cap})")
                     pipe.multi()
-                    rq_jobs = self._queue.enqueue_many(datas, pipeline=pipe)
+                    rq_jobs = q.enqueue_many(datas, pipeline=pipe)
                     pipe.execute()
                     return [Job(self, j.id) for j in rq_jobs]
                 except redis.WatchError:

@@ -218,8 +218,9 @@ class GatewayProcess:
         self.log, self.port = log, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["--port", str(self.port), "--redis-url", redis_url]
-        for k, v in opts.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
+        for k, v in opts.items():  # a list: the option once per value
+            for one in v if isinstance(v, list) else [v]:
+                args += [f"--{k.replace('_', '-')}", str(one)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("MLXQ_API_KEY", None)
         self.proc = subprocess.Popen(
@@ -265,7 +266,7 @@ GatewayFactory = Callable[..., GatewayProcess]
 
 @pytest.fixture
 def start_gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayFactory]:
-    """Start real gateways: ``start_gateway(api_key="k", max_queued=4)``."""
+    """Start real gateways: ``start_gateway(api_key="k", service_tier=["flex=q"])``."""
     started: list[GatewayProcess] = []
 
     def start(redis_url: str | None = None, **opts: object) -> GatewayProcess:

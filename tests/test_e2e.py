@@ -253,6 +253,32 @@ def test_async_client(redis_server, queue_name, start_worker):
     assert text == result_text and status == "finished"
 
 
+def test_a_submit_may_name_its_own_queue(redis_server, queue_name, start_worker, r):
+    from mlxq.producer.listing import job_queue
+
+    other = f"{queue_name}-other"
+    start_worker(queue=other)  # nobody serves the client's own queue
+    client = _client(redis_server, queue_name)
+    jobs = [
+        client.submit("One", max_tokens=4, queue=other),
+        *client.submit_many([dict(prompt="Two", max_tokens=4)] * 2, queue=other),
+    ]
+
+    async def run() -> list[str]:
+        async with AsyncClient(redis_server.url, queue=queue_name) as aclient:
+            one = await aclient.submit("Three", max_tokens=4, queue=other)
+            many = await aclient.submit_many([dict(prompt="Four", max_tokens=4)], queue=other)
+            for j in (one, *many):
+                await j.result(timeout=60)
+            return [one.id, *(j.id for j in many)]
+
+    for j in jobs:
+        j.result(timeout=60)  # ended: only the worker on the other queue could have run it
+    ids = [j.id for j in jobs] + asyncio.run(run())
+    assert len(ids) == 5 and {job_queue(r, i) for i in ids} == {other}
+    assert Queue(queue_name, connection=r).count == 0
+
+
 def test_info_json_contract(redis_server, queue_name, start_worker):
     start_worker()
     _client(redis_server, queue_name).submit("info", max_tokens=4).result(timeout=60)

@@ -19,6 +19,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from rq import Queue
 
 from mlxq.producer import Client
 from mlxq.producer.info import collect
-from mlxq.producer.listing import recent_jobs
+from mlxq.producer.listing import job_details, recent_jobs
 
 pytestmark = pytest.mark.e2e
 
@@ -58,6 +59,20 @@ def queue() -> str:
     return f"gw-{uuid.uuid4().hex[:8]}"
 
 
+def _served_worker(redis_url: str, tiny_model: Path, queue: str, log: Path) -> WorkerProcess:
+    """A worker on ``queue``, once it is ready and has published its model."""
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    args = ["--model", str(tiny_model), "--redis-url", redis_url, "--queue", queue]
+    w = WorkerProcess([*args, "--name", name], log, redis_url, queue, name)
+    w.wait_ready()
+    # Ready for rq at once; its counters (and so its model) follow within a second.
+    deadline = time.monotonic() + 30
+    while not any(x["name"] == name and x["model"] for x in collect(w.redis)["workers"]):
+        assert time.monotonic() < deadline, "the worker never published its model"
+        time.sleep(0.05)
+    return w
+
+
 @pytest.fixture(scope="module")
 def worker(
     redis_server: RedisServer,
@@ -66,29 +81,7 @@ def worker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
     log = tmp_path_factory.mktemp("gw-worker") / "worker.log"
-    name = f"gw-{uuid.uuid4().hex[:8]}"
-    w = WorkerProcess(
-        [
-            "--model",
-            str(tiny_model),
-            "--redis-url",
-            redis_server.url,
-            "--queue",
-            queue,
-            "--name",
-            name,
-        ],
-        log,
-        redis_server.url,
-        queue,
-        name,
-    )
-    w.wait_ready()
-    # Ready for rq at once; its counters (and so its model) follow within a second.
-    deadline = time.monotonic() + 30
-    while not any(x["name"] == name and x["model"] for x in collect(w.redis)["workers"]):
-        assert time.monotonic() < deadline, "the worker never published its model"
-        time.sleep(0.05)
+    w = _served_worker(redis_server.url, tiny_model, queue, log)
     yield w
     w.stop()
 
@@ -337,6 +330,8 @@ def test_penalties_and_logit_bias(oai, queue):
         ),
         (dict(prompt=["two", "prompts"]), "prompt"),
         (dict(prompt=""), "prompt"),
+        (dict(extra_body={"service_tier": "turbo"}), "service_tier"),
+        (dict(extra_body={"service_tier": 1}), "service_tier"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(oai, queue, kw, param):
@@ -420,6 +415,125 @@ def test_api_key(gateways, queue):
         assert e.value.code == 401
     for path in ("/health", "/metrics", "/"):  # no secrets there
         assert urllib.request.urlopen(f"{gateways['keyed'].url}{path}", timeout=30).status == 200
+
+
+# -- service tiers: --service-tier runs a tier on a queue of its own ----------------------------
+
+
+@dataclass(frozen=True)
+class Tiered:
+    """A gateway sending ``priority`` to ``queue`` (served by ``worker`` alone) and
+    ``flex`` to ``idle`` (served by nobody), and an openai client of it."""
+
+    oai: openai.OpenAI
+    queue: str
+    idle: str
+    worker: WorkerProcess
+
+
+@pytest.fixture(scope="module")
+def tiered(
+    redis_server: RedisServer,
+    tiny_model: Path,
+    worker: WorkerProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Tiered]:
+    logs = tmp_path_factory.mktemp("tiers")
+    chat, idle = f"chat-{uuid.uuid4().hex[:8]}", f"idle-{uuid.uuid4().hex[:8]}"
+    w = _served_worker(redis_server.url, tiny_model, chat, logs / "worker.log")
+    tiers = [f"priority={chat}", f"flex={idle}"]
+    g = GatewayProcess(redis_server.url, logs / "gateway.log", service_tier=tiers)
+    try:
+        g.wait_ready()
+        oai = openai.OpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0, timeout=60)
+        yield Tiered(oai, chat, idle, w)
+    finally:
+        g.stop()
+        w.stop()
+
+
+def _ran_on(r: Any, completion_id: str) -> tuple[str, str]:
+    """The queue a completion's job was submitted to, and the worker that ran it."""
+    details = job_details(r, _job_id(completion_id))  # the worker is set when it starts
+    assert details is not None
+    return details["queue"], details["worker"]
+
+
+def test_a_mapped_tier_runs_on_its_queue_and_says_so(tiered, queue, r):
+    there = (tiered.queue, tiered.worker.name)
+    chat: dict[str, Any] = dict(model=queue, messages=[{"role": "user", "content": "Hi"}])
+    for asked in ("priority", "fast"):  # fast is OpenAI's other name for priority
+        res = tiered.oai.chat.completions.create(**chat, max_tokens=4, service_tier=asked)
+        assert res.service_tier == "priority" and res.model == queue
+        assert _ran_on(r, res.id) == there
+    chunks = list(
+        tiered.oai.chat.completions.create(
+            **chat,
+            max_tokens=4,
+            service_tier="priority",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len(chunks) > 2 and all(c.service_tier == "priority" for c in chunks)
+    assert _ran_on(r, chunks[0].id) == there
+    comp = tiered.oai.completions.create(
+        model=queue, prompt="Hi", max_tokens=4, extra_body={"service_tier": "priority"}
+    )
+    assert (comp.model_extra or {})["service_tier"] == "priority"
+    assert _ran_on(r, comp.id) == there
+    with pytest.raises(openai.BadRequestError) as e:
+        tiered.oai.chat.completions.create(**chat, service_tier="turbo")  # type: ignore[arg-type]
+    assert e.value.param == "service_tier" and "'turbo'" in e.value.message
+
+
+@pytest.mark.parametrize("tier", [None, "auto", "default", "scale"])
+def test_other_tiers_run_on_the_models_queue_at_default(tiered, queue, worker, r, tier):
+    extra = {} if tier is None else {"service_tier": tier}
+    here = (queue, worker.name)
+    res = tiered.oai.chat.completions.create(
+        model=queue, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body=extra
+    )
+    assert res.service_tier == "default" and _ran_on(r, res.id) == here
+    chunks = list(
+        tiered.oai.completions.create(
+            model=queue, prompt="Hi", max_tokens=4, stream=True, extra_body=extra
+        )
+    )
+    assert chunks and all((c.model_extra or {})["service_tier"] == "default" for c in chunks)
+    assert _ran_on(r, chunks[0].id) == here
+
+
+def test_a_mapped_tier_nobody_serves_is_503_and_its_model_must_exist(tiered, queue):
+    flex = {"service_tier": "flex"}
+    with pytest.raises(openai.InternalServerError) as e:
+        tiered.oai.completions.create(model=queue, prompt="x", max_tokens=2, extra_body=flex)
+    assert e.value.status_code == 503 and e.value.param == "service_tier"
+    assert e.value.code == "service_tier_unavailable" and tiered.idle in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        tiered.oai.completions.create(
+            model=f"no-such-{uuid.uuid4().hex[:6]}",
+            prompt="x",
+            extra_body={"service_tier": "priority"},
+        )
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["turbo=chat"], "--service-tier 'turbo=chat': unknown tier 'turbo'"),
+        (["priority="], "--service-tier 'priority=': the queue must be a name"),
+        (["priority=a", "priority=b"], "--service-tier 'priority=b': the tier 'priority' is given"),
+    ],
+)
+def test_serve_refuses_bad_service_tiers(options, says):
+    argv = [sys.executable, "-m", "mlxq.producer.cli", "serve"]
+    for o in options:
+        argv += ["--service-tier", o]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and says in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1
 
 
 # -- a worker of its own: one job at a time, and a template that refuses tool turns ----------

@@ -11,9 +11,11 @@ import pytest
 
 from mlxq.producer import Chunk, Result
 from mlxq.producer.errors import InvalidRequest
+from mlxq.producer.gateway.config import GatewayConfig, parse_service_tiers
 from mlxq.producer.openai_api import (
     CHAT,
     COMPLETIONS,
+    SERVICE_TIERS,
     SSE_DONE,
     ChunkFormatter,
     OpenAIRequest,
@@ -114,6 +116,8 @@ def test_openai_defaults_and_nulls():
         ({"model": "q", "messages": MSG, "user": 5}, "user"),
         ({"model": "q", "messages": MSG, "stream": True, "stream_options": 1}, "stream_options"),
         ({"model": "q", "messages": MSG, "stop": {"a": 1}}, "stop"),
+        ({"model": "q", "messages": MSG, "service_tier": "turbo"}, "service_tier"),
+        ({"model": "q", "messages": MSG, "service_tier": ["priority"]}, "service_tier"),
     ],
 )
 def test_bad_chat_bodies_name_the_field(body, param):
@@ -213,6 +217,85 @@ def test_chunks_and_sse_framing():
     (c,) = comp.chunk(Chunk(seq=1, text="t"))
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == "t"
     assert "usage" not in c
+
+
+# -- service tiers ---------------------------------------------------------------------------
+
+
+def test_service_tier_is_checked_and_kept_off_the_job():
+    # The Literal of the official client's ChatCompletion.service_tier, value for value.
+    from typing import get_args
+
+    from openai.types.chat import ChatCompletion
+
+    literal = get_args(ChatCompletion.model_fields["service_tier"].annotation)[0]
+    assert set(get_args(literal)) == set(SERVICE_TIERS)
+    for tier in SERVICE_TIERS:
+        req = parse_request({"model": "q", "prompt": "x", "service_tier": tier}, COMPLETIONS)
+        assert req.service_tier == ("priority" if tier == "fast" else tier)
+        assert "service_tier" not in req.submit
+    assert parse_request({"model": "q", "messages": MSG}, CHAT).service_tier is None
+    assert (
+        parse_request({"model": "q", "messages": MSG, "service_tier": None}, CHAT).service_tier
+        is None
+    )
+    with pytest.raises(InvalidRequest) as e:
+        parse_request({"model": "q", "prompt": "x", "service_tier": "Priority"}, COMPLETIONS)
+    assert e.value.param == "service_tier" and "'Priority'" in str(e.value)
+
+
+def test_service_tier_options_and_routes():
+    tiers = parse_service_tiers(["priority=chat", " flex = sweeps "])
+    assert tiers == {"priority": "chat", "flex": "sweeps"}
+    cfg = GatewayConfig(service_tiers=tiers)
+    assert cfg.route("m", "priority") == ("chat", "priority")
+    assert cfg.route("m", "flex") == ("sweeps", "flex")
+    for unrouted in (None, "auto", "default", "scale"):
+        assert cfg.route("m", unrouted) == ("m", "default")
+    assert GatewayConfig().route("m", "priority") == ("m", "default")
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["turbo=chat"], "unknown tier 'turbo'"),
+        (["priority="], "the queue must be a name"),
+        (["priority"], "must be TIER=QUEUE"),
+        (["=chat"], "unknown tier ''"),
+        (["auto=chat"], "always runs on the queue the request's model names"),
+        (["default=chat"], "always runs on the queue the request's model names"),
+        (["fast=chat"], "map priority"),
+        (["priority=" + "q" * 129], "1 to 128 characters"),
+        (["priority=a", "flex=b", "priority=c"], "given twice (first as priority=a)"),
+    ],
+)
+def test_bad_service_tier_options_name_the_value(options, says):
+    with pytest.raises(ValueError) as e:
+        parse_service_tiers(options)
+    assert str(e.value).startswith(f"--service-tier {options[-1]!r}: ") and says in str(e.value)
+
+
+def test_gateway_config_checks_its_tiers():
+    for tiers in ({"turbo": "q"}, {"priority": ""}, {"default": "q"}, ["priority=q"]):
+        with pytest.raises(ValueError, match="service_tiers"):
+            GatewayConfig(service_tiers=tiers)  # type: ignore[arg-type]
+
+
+def test_the_tier_served_at_is_echoed_when_given():
+    res = Result("hi", [1], "stop", {"prompt_tokens": 1, "completion_tokens": 1})
+    req = parse_request({"model": "q", "messages": MSG, "service_tier": "auto"}, CHAT)
+    assert completion_body(req, "j", res, 9, "default")["service_tier"] == "default"
+    assert "service_tier" not in completion_body(req, "j", res, 9)  # run-batch's answers
+    streamed = parse_request(
+        {"model": "q", "messages": MSG, "stream": True, "stream_options": {"include_usage": True}},
+        CHAT,
+    )
+    fmt = ChunkFormatter(streamed, "j", 5, "priority")
+    chunks = [*fmt.head(), *fmt.chunk(Chunk(seq=1, text="h", finish_reason="stop"))]
+    chunks += fmt.usage({"prompt_tokens": 1, "completion_tokens": 1})
+    assert len(chunks) == 3 and all(c["service_tier"] == "priority" for c in chunks)
+    (plain,) = ChunkFormatter(streamed, "j", 5).chunk(Chunk(seq=1, text="h"))
+    assert "service_tier" not in plain
 
 
 ENTRIES = [

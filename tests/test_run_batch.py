@@ -344,6 +344,30 @@ def test_a_mixed_file(tmp_path, redis_server, queue_name, start_worker):
     assert len(read_jsonl(out)) == len(got) + 1 and len(read_jsonl(err)) == len(errors)
 
 
+@pytest.mark.e2e
+def test_queue_runs_every_line_there(tmp_path, redis_server, queue_name, start_worker, r):
+    from mlxq.producer.listing import job_queue
+
+    start_worker()
+    elsewhere = f"{queue_name}-unserved"
+    lines: list[Any] = [
+        comp("a", "Hello", elsewhere, max_tokens=4),
+        chat("b", "Hello", elsewhere, max_tokens=4, service_tier="priority"),  # no routing here
+        {"custom_id": "c", "method": "POST", "url": COMPLETIONS, "body": {"prompt": "Hi"}},
+        comp("d", "Hello", elsewhere, service_tier="turbo"),
+    ]
+    inp = write_batch(tmp_path / "in.jsonl", lines)
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    run = RunBatch(
+        tmp_path, redis_server.url, inp, out, "--errors", str(err), "--queue", queue_name
+    )
+    assert run.wait() == 0, run.stderr()
+    got = assert_once_each(out, {"a", "b", "c"})
+    assert {job_queue(r, rec["response"]["request_id"]) for rec in got} == {queue_name}
+    ((line, param),) = [(e["error"]["line"], e["error"]["param"]) for e in read_jsonl(err)]
+    assert (line, param) == (4, "service_tier")
+
+
 def _long_file(tmp: Path, q: str, n: int, tokens: int, bad: dict[int, Any] | None = None) -> Path:
     # Seeded: whether the random model stops early is the same on every run.
     lines: list[Any] = [

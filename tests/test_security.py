@@ -383,6 +383,25 @@ def test_max_queued_refuses_and_enqueues_nothing(fresh_redis, queue_name):
     client.close()
 
 
+def test_max_queued_caps_each_queue_a_submit_names(fresh_redis, queue_name):
+    r = redis.Redis.from_url(fresh_redis)
+    other = f"{queue_name}-other"
+    client = Client(fresh_redis, queue=queue_name, max_queued=1)
+    client.submit("a", max_tokens=1)
+    assert Queue(other, connection=r).count == 0
+    client.submit("b", max_tokens=1, queue=other)  # a cap of its own
+    with pytest.raises(QueueFull, match=rf"queue '{other}' holds 1 jobs"):
+        client.submit_many([dict(prompt="c", max_tokens=1)], queue=other)
+    with pytest.raises(QueueFull, match=rf"queue '{queue_name}' holds 1 jobs"):
+        client.submit("d", max_tokens=1)
+    before = set(r.scan_iter(count=1000))
+    for bad in ("", "q" * 129, 5):
+        with pytest.raises(ValueError, match=r"^queue="):
+            client.submit("e", max_tokens=1, queue=bad)  # type: ignore[arg-type]
+    assert set(r.scan_iter(count=1000)) == before
+    client.close()
+
+
 # -- 6. the corpus of crashers ------------------------------------------------------------
 
 NAN, INF = float("nan"), float("inf")

@@ -8,7 +8,13 @@ import os
 import sys
 
 from mlxq.producer.client import DEFAULT_REDIS_URL
-from mlxq.producer.gateway.config import DEFAULT_HOST, DEFAULT_PORT, GatewayConfig
+from mlxq.producer.gateway.config import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    ROUTED_TIERS,
+    GatewayConfig,
+    parse_service_tiers,
+)
 
 SERVE_INSTALL_HINT = "mlxq serve needs FastAPI and uvicorn: pip install 'mlxq[serve]'"
 #: Seconds open streams get on SIGTERM before they are cut (and their jobs canceled).
@@ -39,11 +45,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="answer 429 when a queue holds this many waiting jobs (default: no cap)",
     )
+    p.add_argument(
+        "--service-tier",
+        action="append",
+        default=[],
+        metavar="TIER=QUEUE",
+        help="run requests whose service_tier is TIER on QUEUE instead of the queue their "
+        f"model names; repeatable, TIER one of {', '.join(ROUTED_TIERS)} (default: none, "
+        "every request runs on its model's queue)",
+    )
     p.add_argument("--log-level", default="info", help="(default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT / SIGTERM."""
+    """Serve until SIGINT / SIGTERM.
+
+    Raises:
+        ValueError: a bad option value (``mlxq`` prints it and exits 2).
+    """
     try:
         import uvicorn
 
@@ -57,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         max_queued=args.max_queued,
+        service_tiers=parse_service_tiers(args.service_tier),
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

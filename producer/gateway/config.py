@@ -1,10 +1,12 @@
-"""``mlxq serve``'s settings, checked once."""
+"""``mlxq serve``'s settings, checked once, and the queue each request goes to."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from mlxq.producer.client import DEFAULT_REDIS_URL
+from mlxq.producer.openai_api import DEFAULT_TIER
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -12,6 +14,49 @@ DEFAULT_PORT = 8000
 DEFAULT_SAMPLE_S = 2.0
 #: How long the tok/s chart reaches back.
 DEFAULT_HISTORY_S = 600.0
+#: The service tiers ``--service-tier`` may send to a queue of their own. ``auto`` and
+#: ``default`` always run on the queue ``model`` names; ``fast`` is read as ``priority``.
+ROUTED_TIERS = ("flex", "scale", "priority")
+MAX_QUEUE_CHARS = 128
+
+
+def _tier_problem(tier: str, queue: str) -> str | None:
+    """What is wrong with sending ``tier`` to ``queue``, None if nothing."""
+    if tier in ("auto", DEFAULT_TIER):
+        return f"{tier!r} always runs on the queue the request's model names"
+    if tier == "fast":
+        return "'fast' is OpenAI's other name for 'priority': map priority"
+    if tier not in ROUTED_TIERS:
+        return f"unknown tier {tier!r}: must be one of {', '.join(ROUTED_TIERS)}"
+    if not isinstance(queue, str) or not 0 < len(queue) <= MAX_QUEUE_CHARS:
+        return f"the queue must be a name of 1 to {MAX_QUEUE_CHARS} characters"
+    return None
+
+
+def parse_service_tiers(options: Iterable[str]) -> dict[str, str]:
+    """``--service-tier TIER=QUEUE`` options as ``{tier: queue}``.
+
+    Args:
+        options: The options' values, e.g. ``["priority=chat", "flex=sweeps"]``.
+
+    Raises:
+        ValueError: naming the option's value and what is wrong with it (no ``=``, a tier
+            that cannot be routed, an empty queue, a tier given twice).
+    """
+    tiers: dict[str, str] = {}
+    for value in options:
+        name, eq, target = value.partition("=")
+        tier, queue = name.strip(), target.strip()
+        where = f"--service-tier {value!r}"
+        if not eq:
+            raise ValueError(f"{where}: must be TIER=QUEUE, e.g. priority=chat")
+        if problem := _tier_problem(tier, queue):
+            raise ValueError(f"{where}: {problem}")
+        if tier in tiers:
+            first = f"{tier}={tiers[tier]}"
+            raise ValueError(f"{where}: the tier {tier!r} is given twice (first as {first})")
+        tiers[tier] = queue
+    return tiers
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +72,9 @@ class GatewayConfig:
         max_queued: Answer 429 once a queue holds this many waiting jobs. None: no cap.
         sample_s: Seconds between reads of the workers' counters.
         history_s: Seconds of tok/s history the dashboard charts.
+        service_tiers: Tier -> queue: a request whose ``service_tier`` is one of these
+            runs on that queue instead of the one its ``model`` names. Tiers from
+            :data:`ROUTED_TIERS`.
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -39,6 +87,7 @@ class GatewayConfig:
     max_queued: int | None = None
     sample_s: float = DEFAULT_SAMPLE_S
     history_s: float = DEFAULT_HISTORY_S
+    service_tiers: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.redis_url, str) or not self.redis_url:
@@ -59,3 +108,21 @@ class GatewayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a number > 0")
+        if not isinstance(self.service_tiers, Mapping):
+            raise ValueError(f"service_tiers={self.service_tiers!r}: must map tier -> queue")
+        for tier, queue in self.service_tiers.items():
+            if problem := _tier_problem(tier, queue):
+                raise ValueError(f"service_tiers[{tier!r}]={queue!r}: {problem}")
+        object.__setattr__(self, "service_tiers", dict(self.service_tiers))
+
+    def route(self, model: str, service_tier: str | None) -> tuple[str, str]:
+        """The queue a request runs on and the tier it is served at (what it echoes).
+
+        A tier of :attr:`service_tiers` runs on its queue; any other (``auto``,
+        ``default``, none, a tier with no queue) on the queue ``model`` names, at
+        ``default``, since that is how it is served.
+        """
+        queue = self.service_tiers.get(service_tier) if service_tier else None
+        if queue is None or service_tier is None:
+            return model, DEFAULT_TIER
+        return queue, service_tier

@@ -1,6 +1,9 @@
 """``/v1``: OpenAI's models, completions and chat completions over mlxq queues.
 
-``model`` names the queue. A completion is one job; streamed, its chunks are relayed as
+``model`` names the queue, unless the request's ``service_tier`` is one ``mlxq serve
+--service-tier`` sends to a queue of its own. Every answer, and every streamed chunk, names
+the tier it was served at: the mapped tier, else ``default`` (``auto`` resolves to it, as
+OpenAI's does). A completion is one job; streamed, its chunks are relayed as
 server-sent events as the worker makes them. A client that goes away cancels its job,
 streamed or not. Mid-stream failures end the stream with an error event (``code`` "504")
 and ``data: [DONE]``, since the 200 status has been sent. A worker lost mid-job makes
@@ -92,10 +95,11 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-async def _submit(gw: Gateway, req: OpenAIRequest) -> AsyncJob:
-    client = await gw.client_for(req.model)
+async def _submit(gw: Gateway, req: OpenAIRequest) -> tuple[AsyncJob, str]:
+    """The request's job, on the queue its model or service tier picks, and that tier."""
+    client, tier = await gw.route(req.model, req.service_tier)
     try:
-        return await client.submit(**req.submit)
+        return await client.submit(**req.submit), tier
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
     except InvalidRequest as e:
@@ -120,11 +124,11 @@ async def _complete(request: Request, endpoint: str) -> Response:
         req = parse_request(await _json_body(request), endpoint)
     except InvalidRequest as e:
         raise APIError(400, str(e), param=e.param) from None
-    job = await _submit(gw, req)
+    job, tier = await _submit(gw, req)
     submitted, created = time.perf_counter(), int(time.time())
     if req.stream:
         return StreamingResponse(
-            _events(gw, req, job, created, submitted),
+            _events(gw, req, job, ChunkFormatter(req, job.id, created, tier), submitted),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -133,7 +137,7 @@ async def _complete(request: Request, endpoint: str) -> Response:
         return Response(status_code=CLIENT_GONE)
     gw.metrics.e2e.labels(endpoint).observe(time.perf_counter() - submitted)
     gw.metrics.completed(req.model, result.finish_reason, result.usage)
-    return JSONResponse(completion_body(req, job.id, result, created))
+    return JSONResponse(completion_body(req, job.id, result, created, tier))
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -171,10 +175,9 @@ def _stream_error(message: str) -> str:
 
 
 async def _events(
-    gw: Gateway, req: OpenAIRequest, job: AsyncJob, created: int, submitted: float
+    gw: Gateway, req: OpenAIRequest, job: AsyncJob, fmt: ChunkFormatter, submitted: float
 ) -> AsyncIterator[str]:
-    """The SSE body of one streamed completion."""
-    fmt = ChunkFormatter(req, job.id, created)
+    """The SSE body of one streamed completion, its chunks shaped by ``fmt``."""
     endpoint = req.endpoint
     ended, first, cut = False, True, "client_disconnected"
     gw.metrics.streams.inc()

@@ -99,6 +99,15 @@ class Rates:
             self.history.popleft()
 
 
+def _no_model(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model {model!r} does not exist: no mlxq queue of that name",
+        param="model",
+        code="model_not_found",
+    )
+
+
 class Gateway:
     """The clients, the worker view and the metrics one app shares across requests."""
 
@@ -126,12 +135,9 @@ class Gateway:
         Raises:
             APIError: 404 when no such queue exists, 503 when it has no live worker.
         """
-        snap = await self.snapshot(max_age=self.config.sample_s)
-        if not snap.serving(model):
-            snap = await self.snapshot(max_age=0.25)  # news may be a moment old
-        if snap.serving(model):
+        if await self._served(model):
             return self.client(model)
-        if snap.knows(model) or await asyncio.to_thread(self._known, model):
+        if await self._exists(model):
             raise APIError(
                 503,
                 f"no live worker serves the model {model!r}: start one with "
@@ -140,12 +146,43 @@ class Gateway:
                 param="model",
                 code="model_unavailable",
             )
+        raise _no_model(model)
+
+    async def route(self, model: str, service_tier: str | None) -> tuple[AsyncClient, str]:
+        """The client of the queue a request runs on, and the tier it is served at.
+
+        A ``service_tier`` that ``--service-tier`` maps runs on its queue (``model`` must
+        still name a queue); any other on the queue ``model`` names, at ``default``.
+
+        Raises:
+            APIError: 404 when ``model`` names no queue, 503 when the queue the request
+                runs on has no live worker.
+        """
+        queue, tier = self.config.route(model, service_tier)
+        if queue == model:
+            return await self.client_for(model), tier
+        if not await self._exists(model):
+            raise _no_model(model)
+        if await self._served(queue):
+            return self.client(queue), tier
         raise APIError(
-            404,
-            f"The model {model!r} does not exist: no mlxq queue of that name",
-            param="model",
-            code="model_not_found",
+            503,
+            f"no live worker serves the queue {queue!r} that service_tier {tier!r} runs on: "
+            f"start one with 'mlxq worker --queue {queue} --model PATH'",
+            "server_error",
+            param="service_tier",
+            code="service_tier_unavailable",
         )
+
+    async def _served(self, queue: str) -> bool:
+        snap = await self.snapshot(max_age=self.config.sample_s)
+        if not snap.serving(queue):
+            snap = await self.snapshot(max_age=0.25)  # news may be a moment old
+        return bool(snap.serving(queue))
+
+    async def _exists(self, queue: str) -> bool:
+        snap = await self.snapshot(max_age=self.config.sample_s)
+        return snap.knows(queue) or await asyncio.to_thread(self._known, queue)
 
     def _known(self, queue: str) -> bool:
         """Whether rq knows the queue, or an mlxq worker ever served it."""

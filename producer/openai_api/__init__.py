@@ -14,7 +14,9 @@ One mapping for every front end that speaks OpenAI (``mlxq serve``, ``mlxq run-b
 from mlxq.producer.openai_api.request import (
     CHAT,
     COMPLETIONS,
+    DEFAULT_TIER,
     ENDPOINTS,
+    SERVICE_TIERS,
     OpenAIRequest,
     parse_request,
     submit_supports,
@@ -33,7 +35,9 @@ from mlxq.producer.openai_api.response import (
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "DEFAULT_TIER",
     "ENDPOINTS",
+    "SERVICE_TIERS",
     "SSE_DONE",
     "ChunkFormatter",
     "OpenAIRequest",

@@ -3,10 +3,11 @@
 Where OpenAI documents a default, it is used (``temperature`` 1, ``max_tokens`` 16 for
 completions); chat's ``max_tokens`` defaults to mlxq's 256. ``max_completion_tokens`` wins
 over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids`` and
-``min_tokens`` are taken too; ``user`` is kept in the job's metadata. Every field maps onto a
-:meth:`Client.submit` argument; :func:`submit_supports` keeps that true by refusing, by
-name, any field whose argument ``submit`` lacks.
-Unknown fields are ignored, with one warning per field name per process.
+``min_tokens`` are taken too; ``user`` is kept in the job's metadata. ``service_tier`` is
+checked and kept on the request for the front end to route by (``mlxq serve
+--service-tier``); every other field maps onto a :meth:`Client.submit` argument, and
+:func:`submit_supports` keeps that true by refusing, by name, any field whose argument
+``submit`` lacks. Unknown fields are ignored, with one warning per field name per process.
 """
 
 from __future__ import annotations
@@ -38,12 +39,21 @@ MAX_TOP_LOGPROBS = 20
 MAX_MODEL_CHARS = 128
 #: Most ids in ``stop_token_ids``.
 MAX_STOP_TOKEN_IDS = 64
+#: OpenAI's ``service_tier`` values, as its client types them. ``fast`` is OpenAI's other
+#: name for ``priority``: it is read as ``priority``, and answered as such, as OpenAI does.
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
+#: The tier an answer names when the request ran on the queue ``model`` names (``auto``
+#: resolves to it, as OpenAI's does for a project with no tier of its own).
+DEFAULT_TIER = "default"
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logit_bias")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _OTHER = ("model", "max_tokens", "max_completion_tokens", "n", "logprobs", "user", "metadata")
+_ROUTING = ("service_tier",)
 _VLLM = ("stop_token_ids", "min_tokens")
-_COMMON = frozenset((*_SAMPLING, *_PENALTIES, *_OTHER, *_VLLM, "stream", "stream_options"))
+_COMMON = frozenset(
+    (*_SAMPLING, *_PENALTIES, *_OTHER, *_VLLM, *_ROUTING, "stream", "stream_options")
+)
 _KNOWN = {CHAT: _COMMON | {"messages", "top_logprobs"}, COMPLETIONS: _COMMON | {"prompt"}}
 _warned: set[str] = set()
 # "name=value: why", as mlxq's payload checks word their errors.
@@ -74,6 +84,8 @@ class OpenAIRequest:
         n: Choices asked for.
         logprobs: Return each token's log-probability.
         top_logprobs: And this many alternatives per token.
+        service_tier: The tier asked for (one of :data:`SERVICE_TIERS`, ``fast`` read as
+            ``priority``); None when not given.
     """
 
     endpoint: str
@@ -84,6 +96,7 @@ class OpenAIRequest:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    service_tier: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -256,6 +269,14 @@ def _max_tokens(body: Mapping[str, Any], chat: bool) -> tuple[str, int]:
     return "max_tokens", DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
 
 
+def _service_tier(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in SERVICE_TIERS:
+        raise invalid("service_tier", value, f"must be one of {', '.join(SERVICE_TIERS)}")
+    return "priority" if value == "fast" else value
+
+
 def _stop(value: Any) -> Any:
     if value is None:
         return ()
@@ -366,4 +387,5 @@ def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
         n=extra.get("n", 1),
         logprobs="logprobs" in extra,
         top_logprobs=extra.get("top_logprobs", 0),
+        service_tier=_service_tier(body.get("service_tier")),
     )

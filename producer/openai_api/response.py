@@ -108,9 +108,14 @@ def _choices(result: Result) -> list[Any]:
 
 
 def completion_body(
-    req: OpenAIRequest, job_id: str, result: Result, created: int
+    req: OpenAIRequest, job_id: str, result: Result, created: int, service_tier: str | None = None
 ) -> dict[str, Any]:
-    """The ``chat.completion`` or ``text_completion`` object for a finished job."""
+    """The ``chat.completion`` or ``text_completion`` object for a finished job.
+
+    Args:
+        service_tier: The tier the job was served at, echoed as OpenAI does; None: no
+            ``service_tier`` field.
+    """
     choices = []
     for i, c in enumerate(_choices(result)):
         lp = logprobs_body(req, getattr(c, "logprobs", None))
@@ -121,7 +126,7 @@ def completion_body(
             entry["text"] = c.text
         entry.update(logprobs=lp, finish_reason=c.finish_reason)
         choices.append(entry)
-    return {
+    body: dict[str, Any] = {
         "id": completion_id(req, job_id),
         "object": "chat.completion" if req.chat else "text_completion",
         "created": created,
@@ -129,6 +134,9 @@ def completion_body(
         "choices": choices,
         "usage": usage_body(result.usage),
     }
+    if service_tier is not None:
+        body["service_tier"] = service_tier
+    return body
 
 
 class ChunkFormatter:
@@ -138,10 +146,14 @@ class ChunkFormatter:
         req: The request.
         job_id: The job's id (chunk ids are ``chatcmpl-<id>`` / ``cmpl-<id>``).
         created: Unix seconds, the same on every chunk.
+        service_tier: The tier the job is served at, on every chunk as OpenAI does; None:
+            no ``service_tier`` field.
     """
 
-    def __init__(self, req: OpenAIRequest, job_id: str, created: int) -> None:
-        self.req, self.created = req, created
+    def __init__(
+        self, req: OpenAIRequest, job_id: str, created: int, service_tier: str | None = None
+    ) -> None:
+        self.req, self.created, self.service_tier = req, created, service_tier
         self.id = completion_id(req, job_id)
         self._sent: dict[int, int] = {}  # characters sent per choice (text_offset)
 
@@ -154,6 +166,8 @@ class ChunkFormatter:
             "model": self.req.model,
             "choices": choices,
         }
+        if self.service_tier is not None:
+            out["service_tier"] = self.service_tier
         if self.req.include_usage:
             out["usage"] = None
         return out
