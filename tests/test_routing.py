@@ -88,6 +88,17 @@ def test_a_chats_turns_stay_on_the_worker_holding_its_history(
     assert out == into >= 1
 
 
+def test_chat_turns_on_a_lower_level_queue_follow_their_history(
+    redis_server, queue_name, start_worker, r
+):
+    hi = f"hi-{queue_name}"
+    for _ in range(2):
+        start_worker([hi, queue_name], max_batch=8)
+    ran = _chat(Client(redis_server.url, queue=queue_name), 6)
+    assert ran == [ran[0]] * 6, ran
+    assert r.zcard(f"rq:finished:{queue_name}") == 6 and r.zcard(f"rq:finished:{hi}") == 0
+
+
 # -- the hand-off's scripts, driven step by step on two workers' bridges ---------------
 
 

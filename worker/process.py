@@ -132,8 +132,9 @@ class Worker:
     def stats(self) -> WorkerStats:
         """What this worker says of itself now (safe from any thread)."""
         c = self.engine.counters
-        running, buffered = self.held.rows()
+        started, buffered = self.held.rows()
         paused = len(self.held.jobs(Status.PAUSED))
+        running = started - paused  # decoding now (a paused job waits, as in vLLM)
         outcomes, suspended = self.loop.outcomes, self.loop.suspended
         # Stopping or suspended: no free rows, so no chat turn is handed here.
         closed = suspended or self.loop.stopping
@@ -162,8 +163,8 @@ class Worker:
             updated_at=time.time(),
             running=running,
             buffered=buffered,
-            room=0 if closed else max(0, self.config.max_batch - running - buffered),
-            load=running + buffered,
+            room=0 if closed else max(0, self.config.max_batch - started - buffered),
+            load=started + buffered,
             jobs_handed_out=self.prefetch.handed,
             jobs_handed_in=self.prefetch.handed_in,
             pid=os.getpid(),

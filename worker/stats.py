@@ -20,8 +20,8 @@ class WorkerStats:
     """One worker's numbers at ``updated_at``; the fields' order is the record's.
 
     The engine's counters run from the worker's start; ``jobs_*`` count jobs settled by
-    outcome (``jobs_failed`` with the jobs that failed before they started); ``running``,
-    ``buffered`` are jobs held now; ``room`` the rows a handed chat turn may take (none
+    outcome (``jobs_failed`` with the jobs that failed before they started); ``running``
+    (decoding), ``buffered`` (waiting for a row) and ``paused`` are jobs held now; ``room`` the rows a handed chat turn may take (none
     while stopping or suspended), ``load`` the rows held; ``batch_sizes`` how many decode
     steps ran with each number of rows.
     """
@@ -78,7 +78,7 @@ class WorkerStats:
     @property
     def state(self) -> str:
         """rq's word for the worker: ``busy``, ``suspended`` or ``idle``."""
-        return "busy" if self.running else "suspended" if self.suspended else "idle"
+        return "busy" if self.running or self.paused else "suspended" if self.suspended else "idle"
 
     def jobs(self, outcome: Outcome) -> int:
         """Jobs settled with one of the outcomes counted (finished, failed, canceled,
