@@ -1,6 +1,7 @@
 """``mlxq info`` for workers that serve several queues: each worker's queues in order, by
 level (``chat > team-a:3,team-b:1 > sweeps``), and the rows it paused; ``--json`` keeps
-every key it had and adds the worker's levels and pause counters."""
+every key it had and adds the worker's levels and pause counters. And the dashboard's
+grouping of queues by level (the page itself: test_page.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from opshelp import mlxq, wait_for
 from rich.console import Console
 
 from mlxq.producer import Client
+from mlxq.producer.gateway.state import level_groups
 from mlxq.producer.info import collect, levels_text, render
 
 LEVELS = [[["chat", 1]], [["team-a", 3], ["team-b", 1]], [["sweeps", 1]]]
@@ -80,6 +82,40 @@ def test_table_shows_queues_in_order_and_paused_rows():
     # No worker serves several queues: no rows can pause, and the table is as it was.
     plain = _text({"queues": {}, "workers": doc["workers"][1:]})
     assert "paused" not in plain and _cells(plain, "w-plain")[4:6] == ["1/8", "12.5"]
+
+
+def test_dashboard_groups_each_layout_of_levels_once():
+    def w(name: str, *levels: list[list[Any]]) -> dict[str, Any]:
+        queues = [q for level in levels for q, _ in level]
+        return {"name": name, "queues": queues, "levels": list(levels)}
+
+    groups = level_groups(
+        [
+            w("w1", *LEVELS),
+            w("solo", [["default", 1]]),  # one queue: listed on its own
+            w("w2", *LEVELS),  # the same layout: one group, two workers
+            w("w3", [["chat", 1]], [["batch", 1]]),  # chat is in w1's group already
+            {"name": "odd", "queues": ["x", "y"], "levels": [["x"]]},  # unreadable
+            {"name": "old", "queue": "legacy"},
+            {**w("gone", [["hi", 1]], [["lo", 1]]), "alive": False},  # its layout is gone too
+        ]
+    )
+    assert groups == [
+        {
+            "text": "chat > team-a:3,team-b:1 > sweeps",
+            "workers": ["w1", "w2"],
+            "levels": [
+                [{"queue": "chat", "weight": 1}],
+                [{"queue": "team-a", "weight": 3}, {"queue": "team-b", "weight": 1}],
+                [{"queue": "sweeps", "weight": 1}],
+            ],
+        },
+        {
+            "text": "chat > batch",
+            "workers": ["w3"],
+            "levels": [[], [{"queue": "batch", "weight": 1}]],
+        },
+    ]
 
 
 def _long(url: str, queue: str, seed: int) -> Any:

@@ -62,6 +62,10 @@ def test_dashboard_shows_the_worker_and_a_new_job_live(
     row = page.locator(f'#workers tr[data-worker="{worker.name}"]')
     expect(row).to_contain_text(str(tiny_model), timeout=WAIT_MS)
     expect(row).to_contain_text(queue_name)
+    # One queue: no row can pause, so no columns for paused rows.
+    expect(page.locator("#workers th.lv")).to_have_count(2)
+    for cell in page.locator("#workers .lv").all():
+        expect(cell).to_be_hidden()
     # The queue shows as soon as a worker serves it, before any job.
     expect(page.locator(f'#queues tr[data-queue="{queue_name}"]')).to_be_visible(timeout=WAIT_MS)
 
@@ -117,6 +121,7 @@ def test_dashboard_groups_queues_by_level_and_shows_paused_rows(
     row = page.locator(f'#workers tr[data-worker="{worker.name}"]')
     expect(row).to_contain_text(f"{hi} > {lo}")
     expect(row.locator("td.paused")).to_have_text("0")
+    expect(page.locator("#workers th.lv").first).to_be_visible()
 
     # The one row runs a long low job; high ones pause it within a decode step, and it
     # stays paused while any of them is left (each runs some seconds alone).

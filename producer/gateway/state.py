@@ -66,7 +66,7 @@ class Snapshot:
 
 
 def level_groups(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The dashboard's queues by level: one group per layout of levels that workers
+    """The dashboard's queues by level: one group per layout of levels that live workers
     serving several queues share, in the workers' order.
 
     Returns:
@@ -78,7 +78,7 @@ def level_groups(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
     placed: set[str] = set()
     for w in workers:
-        if len(w.get("queues") or []) < 2:
+        if not _live(w) or len(w.get("queues") or []) < 2:
             continue
         text = levels_text(w)
         if text in groups:
