@@ -19,6 +19,7 @@ from mlxq.producer.codec import MsgpackSerializer
 log = logging.getLogger("mlxq.producer")
 
 _COUNTERS = ("decode_steps", "vectorized_steps", "sampler_calls", "tokens_generated")
+_PAUSES = ("paused", "preemptions", "resumes", "resume_tokens_recomputed")
 
 
 def queue_counts(q: Queue) -> dict[str, int]:
@@ -43,7 +44,7 @@ def decode_stats(raw: Any) -> dict[str, Any]:
         raise ValueError(f"undecodable ({type(e).__name__})") from None
     if not isinstance(stats, Mapping):
         raise ValueError(f"not a map but {type(stats).__name__}")
-    for k in (*_COUNTERS, "running", "started_at", "tok_s_1m"):
+    for k in (*_COUNTERS, *_PAUSES, "running", "started_at", "tok_s_1m"):
         v = stats.get(k, 0)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{k}={v!r} is not a number")
@@ -87,7 +88,8 @@ def collect(connection: redis.Redis, warn: Callable[[str], None] = log.warning) 
         "workers": [{"name", "state", "queue", "model", "alive", "decode_steps",
         "vectorized_steps", "tokens_generated", "sampler_calls", ...}]}``; ``alive``: the
         worker's lease is held; the rest of each worker's stats map follows (``running``,
-        ``max_batch``, ``started_at``, ``tok_s_1m``, ...).
+        ``max_batch``, ``started_at``, ``tok_s_1m``, ``queues`` and ``levels`` (its queues
+        in order, highest level first), ``paused``, ``preemptions``, ``resumes``, ...).
     """
     queues = {
         q.name: queue_counts(q)
@@ -130,18 +132,43 @@ def _model_name(model: str) -> str:
     return "/".join(parts[-2:]) if model.startswith(("/", ".", "~")) else model
 
 
-def _worker_row(w: dict[str, Any], now: float) -> list[str]:
+def levels_text(w: dict[str, Any]) -> str:
+    """A worker's queues in order, its levels joined by ``" > "``: ``chat > team-a:3,team-b:1
+    > sweeps`` (a weight shows where a level has several queues); a worker that reports no
+    levels (an older one) shows its ``queue`` as rq lists it."""
+    try:
+        shown = [
+            ",".join(f"{q}:{weight}" if len(level) > 1 else str(q) for q, weight in level)
+            for level in w["levels"]
+        ]
+    except (KeyError, TypeError, ValueError):  # no levels, or not as a worker writes them
+        shown = []
+    return " > ".join(shown) if all(shown) and shown else str(w.get("queue", ""))
+
+
+def decoding(w: dict[str, Any]) -> int:
+    """The rows a worker decodes now: its ``running`` jobs less those paused."""
+    return max(0, int(w.get("running", 0)) - int(w.get("paused", 0)))
+
+
+def _serves_levels(w: dict[str, Any]) -> bool:
+    queues = w.get("queues")
+    return isinstance(queues, list) and len(queues) > 1
+
+
+def _worker_row(w: dict[str, Any], now: float, paused: bool) -> list[str]:
     steps = int(w.get("decode_steps", 0))
     vec = f"{100 * int(w.get('vectorized_steps', 0)) / steps:.0f}%" if steps else "-"
-    batch = f"{w['running']}/{w['max_batch']}" if "running" in w and "max_batch" in w else "-"
+    batch = f"{decoding(w)}/{w['max_batch']}" if "running" in w and "max_batch" in w else "-"
     rate = f"{float(w['tok_s_1m']):.1f}" if "tok_s_1m" in w else "-"
     up = duration(now - float(w["started_at"])) if w.get("started_at") else "-"
     return [
         str(w["name"]),
-        str(w["queue"]),
+        levels_text(w),
         _model_name(str(w["model"])) or "-",
         str(w["state"]) + ("" if w.get("alive") else " (no lease)"),
         batch,
+        *([str(w.get("paused", "-"))] if paused else []),
         rate,
         vec,
         str(w.get("tokens_generated", 0)),
@@ -150,7 +177,11 @@ def _worker_row(w: dict[str, Any], now: float) -> list[str]:
 
 
 def render(doc: dict[str, Any]) -> RenderableType:
-    """:func:`collect`'s document as two tables (queues, workers), for a rich Console."""
+    """:func:`collect`'s document as two tables (queues, workers), for a rich Console.
+
+    A worker's queues show in order, by level (:func:`levels_text`); the column of paused
+    rows shows only where some worker serves several queues (only there can rows pause).
+    """
     qt = Table(title="queues", title_justify="left", expand=False)
     for col in ("queue", "queued", "started", "finished", "failed", "canceled", "workers"):
         qt.add_column(col, justify="left" if col == "queue" else "right", overflow="fold")
@@ -164,12 +195,17 @@ def render(doc: dict[str, Any]) -> RenderableType:
             *(str(c[k]) for k in ("queued", "started", "finished", "failed", "canceled")),
             str(serving.get(name, 0)),
         )
+    paused = any(_serves_levels(w) for w in doc["workers"])
     wt = Table(title=f"workers ({len(doc['workers'])})", title_justify="left", expand=False)
-    for col in ("worker", "queue", "model", "state", "batch", "tok/s 1m", "vectorized"):
-        wt.add_column(col, overflow="fold", justify="left" if col != "tok/s 1m" else "right")
+    for col in ("worker", "queue", "model", "state", "batch"):
+        wt.add_column(col, overflow="fold")
+    if paused:
+        wt.add_column("paused", justify="right")
+    wt.add_column("tok/s 1m", overflow="fold", justify="right")
+    wt.add_column("vectorized", overflow="fold")
     wt.add_column("tokens", justify="right")
     wt.add_column("uptime", justify="right")
     now = time.time()
     for w in doc["workers"]:
-        wt.add_row(*_worker_row(w, now))
+        wt.add_row(*_worker_row(w, now, paused))
     return Group(qt, wt)

@@ -424,10 +424,24 @@ def test_metrics_endpoint(shared):
     # The dashboard charts only what the worker exports.
     dash = json.loads((Path(__file__).parents[1] / "ops" / "grafana-mlxq.json").read_text())
     exported = {s.name for f in m.values() for s in f.samples}
+    labels = {k for f in m.values() for s in f.samples for k in s.labels}
+    for var in dash["templating"]["list"]:
+        metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["definition"]).groups()
+        # Prometheus adds ``instance`` when it scrapes; any other label is the worker's.
+        assert metric in exported and label in {*labels, "instance"}, var["name"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     for panel in dash["panels"]:
         for target in panel["targets"]:
             for used in re.findall(r"mlxq_[a-z0-9_]+", target["expr"]):
                 assert used in exported, (panel["title"], used)
+            # A panel by queue reads a metric labelled with the queue.
+            if "by (queue" in target["expr"]:
+                (used,) = set(re.findall(r"mlxq_[a-z0-9_]+", target["expr"]))
+                assert any(
+                    s.name == used and s.labels.get("queue") == shared.queue
+                    for f in m.values()
+                    for s in f.samples
+                ), (panel["title"], used)
 
 
 def test_json_log_lines_for_each_job_event(shared):

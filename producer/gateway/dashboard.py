@@ -1,8 +1,9 @@
 """The dashboard: ``GET /`` (one HTML page, no build step) and the JSON it polls.
 
-``/dashboard/api/state`` is queues, workers (with tok/s), recent jobs and the tok/s
-history; ``/dashboard/api/jobs/<id>/stream`` relays one job's chunks as server-sent
-events for the page to follow (a viewer: leaving does not cancel the job).
+``/dashboard/api/state`` is queues (with the levels of workers that serve several),
+workers (with tok/s and paused rows), recent jobs and the tok/s history;
+``/dashboard/api/jobs/<id>/stream`` relays one job's chunks as server-sent events for the
+page to follow (a viewer: leaving does not cancel the job).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.responses import HTMLResponse, StreamingResponse
 from mlxq.producer import AsyncJob, JobFailed, NoSuchJob
 from mlxq.producer.gateway.auth import require_key
 from mlxq.producer.gateway.errors import APIError
-from mlxq.producer.gateway.state import Gateway
+from mlxq.producer.gateway.state import Gateway, level_groups
 from mlxq.producer.listing import job_queue, recent_jobs
 from mlxq.producer.openai_api import sse
 
@@ -50,6 +51,7 @@ async def state(request: Request) -> dict[str, Any]:
     return {
         "now": time.time(),
         "queues": snap.queues,
+        "levels": level_groups(snap.workers),
         "workers": gw.workers_view(snap),
         "jobs": jobs,
         "rates": [[round(t, 3), round(r, 2)] for t, r in gw.rates.history],

@@ -24,7 +24,7 @@ from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.gateway.config import GatewayConfig
 from mlxq.producer.gateway.errors import APIError
 from mlxq.producer.gateway.metrics import Metrics
-from mlxq.producer.info import collect
+from mlxq.producer.info import collect, decoding, levels_text
 
 log = logging.getLogger("mlxq.gateway")
 
@@ -63,6 +63,37 @@ class Snapshot:
 
     def knows(self, queue: str) -> bool:
         return queue in self.queues or any(queue in _queues_of(w) for w in self.workers)
+
+
+def level_groups(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dashboard's queues by level: one group per layout of levels that live workers
+    serving several queues share, in the workers' order.
+
+    Returns:
+        ``[{"text": "chat > team-a:3,team-b:1", "workers": [names], "levels":
+        [[{"queue", "weight"}], ...]}]``, each level highest first. A queue is in the
+        first group that has it (a later layout sharing it lists only the rest); a queue
+        of no group is not in any (the page lists it on its own).
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    placed: set[str] = set()
+    for w in workers:
+        if not _live(w) or len(w.get("queues") or []) < 2:
+            continue
+        text = levels_text(w)
+        if text in groups:
+            groups[text]["workers"].append(w["name"])
+            continue
+        try:
+            levels = [[(str(q), int(n)) for q, n in level] for level in w["levels"]]
+        except (KeyError, TypeError, ValueError):
+            continue  # not as a worker writes them: its queues are listed on their own
+        shown = []
+        for level in levels:
+            shown.append([{"queue": q, "weight": n} for q, n in level if q not in placed])
+            placed.update(q for q, _ in level)
+        groups[text] = {"text": text, "workers": [w["name"]], "levels": shown}
+    return list(groups.values())
 
 
 class Rates:
@@ -253,8 +284,11 @@ class Gateway:
             rows.append(
                 {
                     **{k: w.get(k) for k in ("name", "queue", "model", "state", "max_batch")},
+                    "levels_text": levels_text(w),
                     "alive": _live(w),
-                    "batch": int(w.get("running", 0)),
+                    "batch": decoding(w),
+                    # None from a worker too old to pause rows.
+                    **{k: w.get(k) for k in ("paused", "preemptions", "resumes")},
                     "tok_s": round(self.rates.rate(w["name"]), 1),
                     "vectorized_share": (int(w.get("vectorized_steps", 0)) / steps)
                     if steps

@@ -1,0 +1,181 @@
+"""``mlxq info`` for workers that serve several queues: each worker's queues in order, by
+level (``chat > team-a:3,team-b:1 > sweeps``), and the rows it paused; ``--json`` keeps
+every key it had and adds the worker's levels and pause counters. And the dashboard's
+grouping of queues by level (the page itself: test_page.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from opshelp import mlxq, wait_for
+from rich.console import Console
+
+from mlxq.producer import Client
+from mlxq.producer.gateway.state import level_groups
+from mlxq.producer.info import collect, levels_text, render
+
+LEVELS = [[["chat", 1]], [["team-a", 3], ["team-b", 1]], [["sweeps", 1]]]
+
+
+def _worker(name: str, **stats: Any) -> dict[str, Any]:
+    """A worker as :func:`collect` lists it."""
+    w = dict(name=name, state="busy", queue="default", model="/models/tiny", alive=True)
+    w.update(decode_steps=10, vectorized_steps=10, tokens_generated=99, sampler_calls=10)
+    w.update(running=1, max_batch=8, started_at=time.time() - 60, tok_s_1m=12.5)
+    return {**w, **stats}
+
+
+def _text(doc: dict[str, Any]) -> str:
+    out = io.StringIO()
+    Console(width=200, file=out).print(render(doc))
+    return out.getvalue()
+
+
+def _cells(text: str, name: str) -> list[str]:
+    (row,) = [line for line in text.splitlines() if f" {name} " in line]
+    return [c.strip() for c in re.split("[│┃]", row)[1:-1]]
+
+
+def test_levels_text_joins_levels_and_shows_weights_where_a_level_is_shared():
+    assert levels_text({"levels": LEVELS}) == "chat > team-a:3,team-b:1 > sweeps"
+    assert levels_text({"levels": [[["a", 1], ["b", 1]]]}) == "a:1,b:1"
+    assert levels_text({"queue": "default", "levels": [[["default", 1]]]}) == "default"
+    # A worker that reports no levels (an older one), or not as a worker writes them.
+    for bad in ({}, {"levels": None}, {"levels": [["x"]]}, {"levels": [[]]}, {"levels": []}):
+        assert levels_text({"queue": "q1,q2", **bad}) == "q1,q2"
+
+
+def test_table_shows_queues_in_order_and_paused_rows():
+    queues = ["chat", "team-a", "team-b", "sweeps"]
+    doc = {
+        "queues": {},
+        "workers": [
+            _worker(
+                "w-levels",
+                queue=",".join(queues),
+                queues=queues,
+                levels=LEVELS,
+                running=3,
+                paused=2,
+            ),
+            _worker(
+                "w-plain", queue="default", queues=["default"], levels=[[["default", 1]]], paused=0
+            ),
+            _worker("w-old"),
+        ],
+    }
+    text = _text(doc)
+    header = _cells(text, "worker")
+    assert header[:6] == ["worker", "queue", "model", "state", "batch", "paused"]
+    levels = _cells(text, "w-levels")
+    # The batch is the rows decoding: the paused ones are apart.
+    assert levels[1:2] + levels[4:6] == ["chat > team-a:3,team-b:1 > sweeps", "1/8", "2"]
+    assert _cells(text, "w-plain")[4:6] == ["1/8", "0"]
+    assert _cells(text, "w-old")[1:2] + _cells(text, "w-old")[4:6] == ["default", "1/8", "-"]
+    # No worker serves several queues: no rows can pause, and the table is as it was.
+    plain = _text({"queues": {}, "workers": doc["workers"][1:]})
+    assert "paused" not in plain and _cells(plain, "w-plain")[4:6] == ["1/8", "12.5"]
+
+
+def test_dashboard_groups_each_layout_of_levels_once():
+    def w(name: str, *levels: list[list[Any]]) -> dict[str, Any]:
+        queues = [q for level in levels for q, _ in level]
+        return {"name": name, "queues": queues, "levels": list(levels)}
+
+    groups = level_groups(
+        [
+            w("w1", *LEVELS),
+            w("solo", [["default", 1]]),  # one queue: listed on its own
+            w("w2", *LEVELS),  # the same layout: one group, two workers
+            w("w3", [["chat", 1]], [["batch", 1]]),  # chat is in w1's group already
+            {"name": "odd", "queues": ["x", "y"], "levels": [["x"]]},  # unreadable
+            {"name": "old", "queue": "legacy"},
+            {**w("gone", [["hi", 1]], [["lo", 1]]), "alive": False},  # its layout is gone too
+        ]
+    )
+    assert groups == [
+        {
+            "text": "chat > team-a:3,team-b:1 > sweeps",
+            "workers": ["w1", "w2"],
+            "levels": [
+                [{"queue": "chat", "weight": 1}],
+                [{"queue": "team-a", "weight": 3}, {"queue": "team-b", "weight": 1}],
+                [{"queue": "sweeps", "weight": 1}],
+            ],
+        },
+        {
+            "text": "chat > batch",
+            "workers": ["w3"],
+            "levels": [[], [{"queue": "batch", "weight": 1}]],
+        },
+    ]
+
+
+def _long(url: str, queue: str, seed: int) -> Any:
+    """A job that decodes 2,000 tokens unless canceled (some seconds alone)."""
+    client = Client(url, queue=queue)
+    return client.submit(
+        "A long tale", max_tokens=2000, min_tokens=2000, temperature=1.0, seed=seed
+    )
+
+
+@pytest.mark.e2e
+def test_info_of_a_worker_with_levels_and_a_paused_row(redis_server, start_worker):
+    tag = uuid.uuid4().hex[:6]
+    chat, a, b, sweeps = (f"{q}-{tag}" for q in ("chat", "a", "b", "sweeps"))
+    w = start_worker([chat, f"{a}:3,{b}:1", sweeps], max_batch=1, window_ms=0)
+    r = redis.Redis.from_url(redis_server.url)
+
+    def mine() -> dict[str, Any]:
+        (entry,) = [e for e in collect(r)["workers"] if e["name"] == w.name]
+        return entry
+
+    low = _long(redis_server.url, sweeps, seed=0)
+    wait_for(lambda: low.status() == "started", "the sweep's job to start")
+    highs = [_long(redis_server.url, chat, seed=i) for i in range(1, 4)]
+    wait_for(lambda: mine().get("paused") == 1, "a paused row")
+    try:
+        out = mlxq("info", url=redis_server.url)
+        assert out.returncode == 0, out.stderr
+        cells = _cells(out.stdout, w.name)
+        assert cells[1] == f"{chat} > {a}:3,{b}:1 > {sweeps}"
+        assert cells[4:6] == ["1/1", "1"], cells
+
+        out = mlxq("info", "--json", url=redis_server.url)
+        assert out.returncode == 0, out.stderr
+        (entry,) = [e for e in json.loads(out.stdout)["workers"] if e["name"] == w.name]
+        # Every key info --json had, each worker's stats among them ...
+        for key in (
+            "name",
+            "state",
+            "queue",
+            "model",
+            "alive",
+            "decode_steps",
+            "vectorized_steps",
+            "tokens_generated",
+            "sampler_calls",
+            "running",
+            "max_batch",
+            "started_at",
+            "tok_s_1m",
+            "buffered",
+            "jobs_finished",
+        ):
+            assert key in entry, key
+        assert entry["queue"] == ",".join([chat, a, b, sweeps])  # rq's list, as before
+        # ... and the levels and pauses.
+        assert entry["queues"] == [chat, a, b, sweeps]
+        assert entry["levels"] == [[[chat, 1]], [[a, 3], [b, 1]], [[sweeps, 1]]]
+        assert entry["paused"] == 1 and entry["preemptions"] >= 1
+        assert entry["resumes"] == 0 and entry["resume_tokens_recomputed"] == 0
+    finally:
+        for job in [*reversed(highs), low]:
+            job.cancel()
