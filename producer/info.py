@@ -147,8 +147,8 @@ def levels_text(w: dict[str, Any]) -> str:
 
 
 def decoding(w: dict[str, Any]) -> int:
-    """The rows a worker decodes now: its ``running`` jobs less those paused."""
-    return max(0, int(w.get("running", 0)) - int(w.get("paused", 0)))
+    """The rows a worker decodes now: its ``running`` jobs (paused ones are apart)."""
+    return max(0, int(w.get("running", 0)))
 
 
 def _serves_levels(w: dict[str, Any]) -> bool:

@@ -62,7 +62,7 @@ def test_table_shows_queues_in_order_and_paused_rows():
                 queue=",".join(queues),
                 queues=queues,
                 levels=LEVELS,
-                running=3,
+                running=1,
                 paused=2,
             ),
             _worker(

@@ -128,10 +128,12 @@ def _env_file(path: Path, tiny_model: Path, url: str, queue: str) -> dict[str, s
     values = {
         "MLXQ_MODEL": str(tiny_model),
         "MLXQ_REDIS_URL": url,
-        "MLXQ_QUEUE": queue,
+        "MLXQ_QUEUES": f"hi-{queue} {queue}",
         "MLXQ_MAX_BATCH": "4",
     }
-    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    # Quoted as systemd's EnvironmentFile and a shell both read it (the queues' levels
+    # are separated by spaces).
+    path.write_text("".join(f'{k}="{v}"\n' for k, v in values.items()))
     return values
 
 

@@ -21,7 +21,8 @@ class WorkerStats:
 
     The engine's counters run from the worker's start; ``jobs_*`` count jobs settled by
     outcome (``jobs_failed`` with the jobs that failed before they started); ``running``
-    (decoding), ``buffered`` (waiting for a row) and ``paused`` are jobs held now; ``room`` the rows a handed chat turn may take (none
+    (decoding), ``buffered`` (waiting for a row) and ``paused`` are jobs held now; ``room``
+    the rows a handed chat turn may take (none
     while stopping or suspended), ``load`` the rows held; ``batch_sizes`` how many decode
     steps ran with each number of rows.
     """
