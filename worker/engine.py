@@ -44,6 +44,9 @@ class Engine:
         prompt_cache_bytes: Bytes of KV state kept for later jobs that start with the
             same tokens (see :mod:`mlxq.worker.prompt_cache`); 0: no prompt cache;
             None: :func:`~mlxq.worker.prompt_cache.default_budget`.
+        prefill_buckets: Pad prefill passes to a few bucketed shapes (see
+            :mod:`mlxq.batching.prefill`); None: on where MLX runs on CUDA, whose cuDNN
+            attention plans are built for each new shape.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class Engine:
         prefill_step_size: int = 2048,
         max_kv_size: int | None = None,
         prompt_cache_bytes: int | None = 0,
+        prefill_buckets: bool | None = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
@@ -78,6 +82,9 @@ class Engine:
         )
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.counters = StepCounters()
+        if prefill_buckets is None:
+            prefill_buckets = _on_cuda()
+        self.prefill_buckets = prefill_buckets
         self.max_context = _context_length(model)
         self.vocab_size = _vocab_size(model, tokenizer)
         self._eos = frozenset(tokenizer.eos_token_ids)
@@ -100,6 +107,7 @@ class Engine:
             config.model,
             max_batch=config.max_batch,
             prompt_cache_bytes=config.prompt_cache_bytes,
+            prefill_buckets=config.prefill_buckets,
         )
 
     @classmethod
@@ -121,6 +129,7 @@ class Engine:
             self.sampler,
             self.counters,
             keep_caches=self.prompt_cache is not None,
+            buckets=self.prefill_buckets,
             **self._kw,
         )
         for row in self._rows.values():
@@ -141,6 +150,15 @@ class Engine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - self._running
+
+    def steps_left(self) -> list[int]:
+        """Each running row's most decode steps still to run (its ``max_tokens`` left;
+        it may end sooner)."""
+        return [
+            r.job.request.max_tokens - r.generated
+            for r in self._rows.values()
+            if r.status is RowStatus.RUNNING
+        ]
 
     def encode(self, req: GenerationRequest) -> list[int]:
         """Tokenize a request's prompt (or render its chat through the template), and
@@ -364,6 +382,13 @@ class Engine:
             self.sampler.drop(row.uid)
         row.status = RowStatus.FINISHED
         row.kv = row.kv_tokens = None
+
+
+def _on_cuda() -> bool:
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)
 
 
 def _context_length(model: Any) -> int | None:

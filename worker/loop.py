@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from mlxq.batching.admission import AdmissionPolicy, admit
+from mlxq.batching.prefill import Gather
 from mlxq.producer.codec import Chunk
 from mlxq.producer.outcome import Outcome
 from mlxq.worker import messages
@@ -71,6 +72,7 @@ class DecodeLoop:
         self.config, self.engine, self.bridge, self.inbox = config, engine, bridge, inbox
         self.held, self.sink, self.prefetch = held, sink, prefetch
         self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
+        self.gather = Gather(config.admit_hold_steps)
         self.interval = config.stream_interval_ms / 1000
         self.ttl_refresh_s = config.stream_ttl / 4
         self.steps = 0
@@ -120,6 +122,8 @@ class DecodeLoop:
     def _admit(self) -> None:
         free = self.engine.free_slots
         buffered = self.held.jobs(Status.BUFFERED)
+        if not self.gather.ready(self.steps, free, len(buffered), self.engine.steps_left):
+            return  # no row or no job; or a busy batch, letting jobs gather for one prefill
         if not buffered or free <= 0 or self._stop.is_set() or self.suspended:
             return
         running = Counter(j.key for j in self.held.jobs(Status.RUNNING))

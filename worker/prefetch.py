@@ -124,6 +124,8 @@ class Prefetcher(Helper):
         self.failed = 0
         self.handed = 0  # jobs handed to another worker
         self.handed_in = 0  # jobs another worker handed this one
+        self.claim_calls = 0  # claims made (a claim moves and reads many jobs at once)
+        self.jobs_claimed = 0  # the jobs they brought
         self._ready: deque[Job] = deque()
         self._cond = threading.Condition()
         self._paused = threading.Event()
@@ -194,6 +196,7 @@ class Prefetcher(Helper):
         if need <= 0:
             return
         claimed = self.bridge.claim(need)
+        self.claim_calls += 1
         if not claimed:
             self.router.note_blocker()
             first = self.bridge.wait_for_job()
@@ -203,6 +206,8 @@ class Prefetcher(Helper):
                 self.sink.release(ReleaseMode.REQUEUE, [first])
                 return
             claimed = self.bridge.claim(need - 1, [first])
+            self.claim_calls += 1
+        self.jobs_claimed += len(claimed)
         self._accept(claimed)
 
     def _claim_each(self, stray: list[bytes]) -> list[Claimed]:
