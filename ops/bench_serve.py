@@ -3,29 +3,36 @@
 
 Why: jobs that reach a worker one HTTP request at a time should decode as fast as jobs
 submitted in one call. This measures both against mlx-lm's ``BatchGenerator`` driven
-directly on the same checkpoint and prompts, and shows how the worker took them in: its
-prefill passes by rows (from ``mlxq info``'s ``prefill_batch_sizes``), the distinct
-prefill shapes, the idle window's batches, and claims per claim call.
+directly on the same checkpoint, and shows how the worker took the jobs in: decode steps
+and tokens a step, prefill passes by rows and the new prefill shapes (``mlxq info``'s
+``prefill_batch_sizes``, ``prefill_shapes``), steps held (``--admit-hold-steps``), claims
+per claim call, and from the jobs' records how their enqueues spread and how long they
+waited to start.
 
-Starts a private redis-server, builds a random-weight model of --shape (the tiny one runs
-on a CPU; 0.5b is the GPU's), starts one ``mlxq worker --max-batch B`` per --variant and
-one ``mlxq serve``, and for each --streams size N times, interleaved:
+Starts a private redis-server, builds a random-weight model of --shape (tiny runs on a
+CPU; 0.5b is the GPU's), starts one ``mlxq worker --max-batch B`` per --variant and one
+``mlxq serve``, and for each --streams size N runs, each on prompts of its own:
 
   direct   every prompt inserted into one BatchGenerator in this process (greedy)
   submit   the N chat jobs through ``Client.submit_many``, until the last result
+  each     the same through the Python client, one ``submit`` a job, all at once
+           (how a gateway's jobs arrive, without HTTP; opt-in: --modes)
   serve    N concurrent streaming chat completions, ``AsyncOpenAI`` over one httpx
            client, all released together (greedy, ``max_tokens`` --tokens)
 
-then the first-token latency of a burst of --burst jobs: the Python client's
-(``AsyncClient.submit_many``, submit to each job's first chunk) and the openai client's
-through the gateway (request to each stream's first chunk with text), p50 and max.
-Streamed text must equal the job's stored result. Best of --rounds counts.
+then the first-token latency of a burst of --burst jobs on an idle worker: the Python
+client's (``AsyncClient.submit_many``, submit to each job's first chunk) and the openai
+client's through the gateway (request to each stream's first chunk with text), p50 and
+max. Streamed text must equal the job's stored result. Best of --rounds counts.
 
 Usage:
     python ops/bench_serve.py                                # tiny model, CPU, a few minutes
-    python ops/bench_serve.py --streams 64,256 --tokens 32 --json out.json
-    python ops/bench_serve.py --shape 0.5b --streams 64,256,1024 --tokens 128 \\
-        --variant "" --variant "--admit-hold-steps 0" --json out.json   # GPU: A/B a knob
+    python ops/bench_serve.py --batch 64 --streams 64,256 --modes direct,submit,each,serve
+    python ops/bench_serve.py --shape 0.5b --streams 64,256,1024 --tokens 128 --batch 64 \
+        --variant="--admit-hold-steps 0 --prefill-buckets off" --variant="" --json out.json
+
+A --variant is one worker's extra options (``--variant=""``: its defaults); ``NAME=value``
+words in it set that worker's environment (``MLX_CUDA_USE_CUDNN_SDPA=0``).
 """
 
 from __future__ import annotations
@@ -34,18 +41,20 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import bench_gateway
 import mlx.core as mx
 import procs
 import redis
@@ -114,19 +123,33 @@ class Worker:
     def __init__(self, url: str, name: str, proc: subprocess.Popen[bytes], queue: str) -> None:
         self.url, self.name, self.proc, self.queue = url, name, proc, queue
         self.r = redis.Redis.from_url(url)
+        self.last: dict[str, Any] | None = None  # counters at the end of the last run
 
     def counters(self) -> dict[str, Any]:
         return next((w for w in collect(self.r)["workers"] if w["name"] == self.name), {})
 
-    def counters_after(self, before: dict[str, Any], tokens: int) -> dict[str, Any]:
-        """The counters once they include ``tokens`` more (written about once a second)."""
-        want = int(before.get("tokens_generated", 0)) + tokens
-        deadline = time.monotonic() + 8.0
+    def settled(self) -> dict[str, Any]:
+        """The counters as of now, every job before now done (the worker writes them about
+        once a second): the end of one run, and so the start of the next."""
+        now = time.time()
+        deadline = time.monotonic() + 10.0
         while True:
-            now = self.counters()
-            if int(now.get("tokens_generated", 0)) >= want or time.monotonic() > deadline:
-                return now
+            c = self.counters()
+            done = float(c.get("updated_at", 0)) > now and not c.get("running", 1)
+            if done or time.monotonic() > deadline:
+                return c
             time.sleep(0.1)
+
+    def run(self) -> tuple[dict[str, Any], Callable[[], Intake]]:
+        """A run's start: its counters now (the last run's end, when nothing ran since),
+        and what reads its intake once it is done."""
+        before = self.last or self.settled()
+
+        def done() -> Intake:
+            self.last = self.settled()
+            return self.intake(before, self.last)
+
+        return before, done
 
     @staticmethod
     def intake(before: dict[str, Any], after: dict[str, Any]) -> Intake:
@@ -207,7 +230,7 @@ class Bench:
     def submit_run(self, w: Worker, variant: str, texts: list[str]) -> Run:
         client = Client(w.url, w.queue, result_ttl=3600)
         try:
-            before = w.counters()
+            _, intake_of = w.run()
             kws = [dict(messages=chat(t), max_tokens=self.args.tokens, **GREEDY) for t in texts]
             t0 = time.perf_counter()
             jobs = client.submit_many(kws)
@@ -216,28 +239,28 @@ class Bench:
         finally:
             client.close()
         tokens = sum(r.usage["completion_tokens"] for r in results)
-        intake = w.intake(before, w.counters_after(before, tokens))
+        intake = intake_of()
         times = job_times(w.url, [j.id for j in jobs])
         return Run("submit", variant, len(texts), tokens, wall, intake=intake, times=times)
 
     def each_run(self, w: Worker, variant: str, texts: list[str]) -> Run:
         """The jobs through the Python client, one ``submit`` each (concurrent), as a
         gateway sends them: their arrival without HTTP's cost on this machine's cores."""
-        before = w.counters()
+        _, intake_of = w.run()
         kws = [dict(messages=chat(t), max_tokens=self.args.tokens, **GREEDY) for t in texts]
         t0 = time.perf_counter()
         ids, tokens = asyncio.run(submit_each(w.url, w.queue, kws))
         wall = time.perf_counter() - t0
-        intake, times = w.intake(before, w.counters_after(before, tokens)), job_times(w.url, ids)
+        intake, times = intake_of(), job_times(w.url, ids)
         return Run("each", variant, len(texts), tokens, wall, intake=intake, times=times)
 
     def serve_run(self, w: Worker, variant: str, texts: list[str], check: bool = True) -> Run:
-        before = w.counters()
+        _, intake_of = w.run()
         g0 = cpu_s(self.gw_pid)
         streams, wall = asyncio.run(run_streams(self.base, w.queue, texts, self.args.tokens))
         gw = cpu_s(self.gw_pid) - g0
         tokens = sum(s.tokens for s in streams)
-        intake = w.intake(before, w.counters_after(before, tokens))
+        intake = intake_of()
         run = Run("serve", variant, len(texts), tokens, wall, gateway_cpu_s=gw, intake=intake)
         run.times = job_times(w.url, [s.id.split("-", 1)[1] for s in streams if s.id])
         client = Client(w.url, w.queue)
@@ -312,6 +335,7 @@ async def serve_burst(base: str, queue: str, texts: list[str], tokens: int) -> l
 def ttft(w: Worker, base: str, tag: str, n: int, tokens: int) -> dict[str, float]:
     """First-token p50 and max (seconds) of a burst of ``n``, both clients, the worker idle
     before each burst."""
+    w.last = None  # counted by no run
     py = asyncio.run(python_burst(w.url, w.queue, [prompt(tag + "p", i) for i in range(n)], tokens))
     time.sleep(0.5)
     sv = asyncio.run(serve_burst(base, w.queue, [prompt(tag + "s", i) for i in range(n)], tokens))
@@ -362,7 +386,8 @@ def _row(r: Run, q: dict[str, float]) -> str:
     ]
     if i is not None:
         cells.append(
-            f"{i.decode_steps:>6} {i.decode_sizes_new:>4} {i.prefill_passes:>5} "
+            f"{i.decode_steps:>6} {r.tokens / max(1, i.decode_steps):>5.1f} "
+            f"{i.decode_sizes_new:>4} {i.prefill_passes:>5} "
             f"{i.rows_per_prefill:>6.1f} {i.prefill_shapes_new:>4} {i.admit_held_steps:>5} "
             f"{i.jobs_claimed:>5}/{i.claim_calls:<5} "
             f"{1e3 * t.get('enqueue_spread_s', nan):>7.0f} {1e3 * t.get('wait_p50_s', nan):>7.0f} "
@@ -374,7 +399,7 @@ def _row(r: Run, q: dict[str, float]) -> str:
 def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[str, float]]]) -> str:
     lines = [
         f"{'mode':<7} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
-        f"{'steps':>6} {'bs+':>4} {'pf':>5} {'rows':>6} {'sh+':>4} {'held':>5} "
+        f"{'steps':>6} {'r/st':>5} {'bs+':>4} {'pf':>5} {'rows':>6} {'sh+':>4} {'held':>5} "
         f"{'claimed/calls':<11} {'enq ms':>7} {'wait ms':>7} {'gwCPU':>5}  prefill rows x passes",
     ]
     for _, r in sorted(best.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
@@ -389,10 +414,11 @@ def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[st
             f"{ms['serve_p50_s'] - ms['python_p50_s']:+.1f} ms"
         )
     lines.append(
-        "steps: decode steps; bs+: decode batch sizes new to the worker; pf: prefill passes "
-        "(rows: rows a pass); sh+: new (rows, padded length) prefill shapes; held: decode "
-        "steps a busy batch let jobs gather; enq ms: first to last enqueue; wait ms: enqueue "
-        "to start, p50; gwCPU: gateway cores busy"
+        "steps: decode steps (r/st: tokens a step, which sets tokens/s where a step's time "
+        "hardly depends on its rows, as on a GPU); bs+: decode batch sizes new to the "
+        "worker; pf: prefill passes (rows: rows a pass); sh+: new (rows, padded length) "
+        "prefill shapes; held: decode steps a busy batch let jobs gather; enq ms: first to "
+        "last enqueue; wait ms: enqueue to start, p50; gwCPU: gateway cores busy"
     )
     return "\n".join(lines)
 
@@ -540,6 +566,8 @@ def measure(args: argparse.Namespace, url: str, work: Path, started: list[Any]) 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     raise_fd_limit()
+    if not bench_gateway.MLXQ.exists():  # an install whose scripts are not beside python
+        bench_gateway.MLXQ = Path(shutil.which("mlxq") or sys.exit("mlxq not found"))
     started: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="mlxq-bench-serve-") as tmp:
         work = Path(tmp)
