@@ -74,9 +74,10 @@ class WorkerStats:
     #: Tokens decoded for each queue's jobs since the start, and jobs held now by queue.
     tokens_by_queue: dict[str, int] = field(default_factory=dict)
     held_by_queue: dict[str, int] = field(default_factory=dict)
-    #: How jobs went in: prefill passes by rows (``{"rows": passes}``) and the distinct
-    #: (rows, padded length) shapes among them; the idle window's batches by jobs taken
-    #: (``{"jobs": windows}``); claim calls the prefetcher made and the jobs they brought.
+    #: How jobs went in: prefill passes by rows (``{"rows": passes}``, padded rows where
+    #: prefills are bucketed) and the distinct (rows, padded length) shapes among them;
+    #: the idle window's batches by jobs taken (``{"jobs": windows}``); claim calls the
+    #: prefetcher made and the jobs they brought.
     prefill_batch_sizes: dict[str, int] = field(default_factory=dict)
     prefill_shapes: int = 0
     window_sizes: dict[str, int] = field(default_factory=dict)
