@@ -153,6 +153,12 @@ def test_window_puts_a_burst_into_one_prefill(redis_server, queue_name, start_wo
         j.result(timeout=60)
     stats = _worker_stats(redis_server, queue_name)
     assert stats["batch_sizes"].get("6", 0) >= 1, stats["batch_sizes"]
+    # How they went in: one window took the six, one prefill pass ran them (6 rows is a
+    # bucket too), and the prefetcher's claims brought them.
+    assert stats["window_sizes"].get("6", 0) >= 1, stats["window_sizes"]
+    assert stats["prefill_batch_sizes"].get("6", 0) >= 1, stats["prefill_batch_sizes"]
+    assert stats["prefill_shapes"] >= 1
+    assert stats["jobs_claimed"] >= 6 and stats["claim_calls"] >= 1
 
 
 def test_jobs_join_a_running_batch(redis_server, queue_name, start_worker):

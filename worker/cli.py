@@ -129,6 +129,22 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         help="most jobs decoding at once (default: %(default)s; 64 pays on a GPU)",
     )
     p.add_argument(
+        "--admit-hold-steps",
+        type=int,
+        default=c.DEFAULT_ADMIT_HOLD_STEPS,
+        help="while the batch decodes, let jobs that arrive gather for up to this many "
+        "decode steps, so they share one prefill (jobs sent one HTTP request at a time); "
+        "0 takes each in at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-buckets",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="pad each prefill to one of a few shapes, so a GPU reuses its attention "
+        "plans instead of building one per new shape; auto: on with MLX on CUDA "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--name",
         default=None,
         help="worker name (default: host.pid.random; rq refuses reused names)",
@@ -228,6 +244,8 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         metrics_host=args.metrics_host,
         prompt_cache_bytes=args.prompt_cache_bytes,
         routing=args.routing,
+        admit_hold_steps=args.admit_hold_steps,
+        prefill_buckets={"auto": None, "on": True, "off": False}[args.prefill_buckets],
     )
 
 

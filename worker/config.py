@@ -25,6 +25,9 @@ DEFAULT_STREAM_INTERVAL_MS = 50.0
 DEFAULT_GRACE_S = 30.0
 #: Admission ageing bound (see ``mlxq.batching.admission``).
 DEFAULT_MAX_WAIT_STEPS = 32
+#: Decode steps a busy batch lets waiting jobs gather before their prefill (see
+#: ``mlxq.batching.prefill.Gather``): a few, so rows freed one by one go back as a group.
+DEFAULT_ADMIT_HOLD_STEPS = 4
 #: Prometheus scrapes from another machine, as it does node exporters: every interface.
 DEFAULT_METRICS_HOST = "0.0.0.0"
 #: The prompt cache is on, sized from the device (None: ``auto``); 0 turns it off.
@@ -33,6 +36,12 @@ DEFAULT_PROMPT_CACHE_BYTES: int | None = None
 DEFAULT_MAX_PAUSES = 3
 #: Longest queue name: it is part of several Redis key names.
 MAX_QUEUE_CHARS = 128
+
+
+def _check_prefill(admit_hold_steps: object, prefill_buckets: object) -> None:
+    integer_in("admit_hold_steps", admit_hold_steps, 0, 1000)
+    if prefill_buckets is not None and not isinstance(prefill_buckets, bool):
+        raise ValueError(f"prefill_buckets={prefill_buckets!r}: give True, False or None (auto)")
 
 
 def default_name() -> str:
@@ -86,6 +95,10 @@ class WorkerConfig:
         paused_kv_bytes: Bytes of KV state kept for paused rows; past it, the oldest
             pause's KV is dropped (it resumes by prefilling again). None: the prompt
             cache's budget (its own, beside it).
+        admit_hold_steps: While the batch decodes, how many steps waiting jobs may gather
+            before their prefill (``mlxq.batching.prefill.Gather``); 0: none.
+        prefill_buckets: Pad prefill passes to a few bucketed shapes, so a GPU backend's
+            per-shape plans are reused; None (the default): on where MLX runs on CUDA.
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -111,6 +124,8 @@ class WorkerConfig:
     reserve_rows: int = 0
     max_pauses: int = DEFAULT_MAX_PAUSES
     paused_kv_bytes: int | None = None
+    admit_hold_steps: int = DEFAULT_ADMIT_HOLD_STEPS
+    prefill_buckets: bool | None = None
     levels: Levels = field(init=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +158,7 @@ class WorkerConfig:
         integer_in("stream_ttl", self.stream_ttl, 1, keys.MAX_RECORD_TTL)
         integer_in("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
         integer_in("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
+        _check_prefill(self.admit_hold_steps, self.prefill_buckets)
         if self.metrics_port is not None:
             integer_in("metrics_port", self.metrics_port, 0, 65535)
         if self.prompt_cache_bytes is not None:

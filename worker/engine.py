@@ -50,6 +50,9 @@ class Engine:
         paused_kv_bytes: Bytes of KV state paused rows may keep (beside the prompt
             cache's); past it the oldest pauses' KV is dropped (:meth:`pause`). None: the
             prompt cache's budget, or :data:`DEFAULT_PAUSED_KV_BYTES` with no prompt cache.
+        prefill_buckets: Pad prefill passes to a few bucketed shapes (see
+            :mod:`mlxq.batching.prefill`); None: on where MLX runs on CUDA, whose cuDNN
+            attention plans are built for each new shape.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class Engine:
         max_kv_size: int | None = None,
         prompt_cache_bytes: int | None = 0,
         paused_kv_bytes: int | None = None,
+        prefill_buckets: bool | None = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
@@ -88,6 +92,9 @@ class Engine:
         self.paused_kv_budget = paused_kv_bytes
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.counters = StepCounters()
+        if prefill_buckets is None:
+            prefill_buckets = _on_cuda()
+        self.prefill_buckets = prefill_buckets
         self.max_context = _context_length(model)
         self.vocab_size = _vocab_size(model, tokenizer)
         self._eos = frozenset(tokenizer.eos_token_ids)
@@ -111,6 +118,7 @@ class Engine:
             max_batch=config.max_batch,
             prompt_cache_bytes=config.prompt_cache_bytes,
             paused_kv_bytes=config.paused_kv_bytes,
+            prefill_buckets=config.prefill_buckets,
         )
 
     @classmethod
@@ -132,6 +140,7 @@ class Engine:
             self.sampler,
             self.counters,
             keep_caches=self.prompt_cache is not None,
+            buckets=self.prefill_buckets,
             **self._kw,
         )
         for row in self._rows.values():
@@ -152,6 +161,15 @@ class Engine:
     @property
     def free_slots(self) -> int:
         return self.max_batch - self._running
+
+    def steps_left(self) -> list[int]:
+        """Each running row's most decode steps still to run (its ``max_tokens`` left;
+        it may end sooner)."""
+        return [
+            r.job.request.max_tokens - r.generated
+            for r in self._rows.values()
+            if r.status is RowStatus.RUNNING
+        ]
 
     def encode(self, req: GenerationRequest) -> list[int]:
         """Tokenize a request's prompt (or render its chat through the template), and
@@ -402,6 +420,13 @@ class Engine:
 
 def _kv_nbytes(kv: list[Any] | None) -> int:
     return sum(int(c.nbytes) for c in kv) if kv else 0
+
+
+def _on_cuda() -> bool:
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)
 
 
 def _context_length(model: Any) -> int | None:

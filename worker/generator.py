@@ -16,15 +16,24 @@ used, since any of them would send every step down a Python loop over rows.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate import (
+    BatchGenerator,
+    GenerationBatch,
+    PromptProcessingBatch,
+    _extend_cache,
+    _merge_caches,
+)
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import apply
 from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
+from mlxq.batching.prefill import prefill_shape
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.kv_pack import row_cache
 from mlxq.worker.prompt_cache import MIN_REUSE
@@ -49,6 +58,16 @@ class StepCounters:
     resumes: int = 0
     resume_tokens_recomputed: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
+    #: Prefill forward passes by rows (how many passes prefilled that many prompts at
+    #: once), and the distinct (rows, padded length) shapes among them: each new shape
+    #: may cost a GPU backend a kernel build or an attention plan.
+    prefill_batch_sizes: dict[int, int] = field(default_factory=dict)
+    prefill_shapes: set[tuple[int, int]] = field(default_factory=set)
+
+    def count_prefill(self, rows: int, length: int) -> None:
+        """One prefill pass over ``rows`` prompts, right-padded to ``length`` tokens."""
+        self.prefill_batch_sizes[rows] = self.prefill_batch_sizes.get(rows, 0) + 1
+        self.prefill_shapes.add((rows, length))
 
     def count_step(self, rows: int, sampler_calls: int) -> None:
         """One decode step of ``rows`` rows, which called the sampler that many times."""
@@ -192,15 +211,70 @@ def _ints(tokens: Any) -> list[int]:
     return cast(list[int], tokens.tolist())
 
 
+@dataclass(frozen=True, slots=True)
+class Buckets:
+    """Prefills padded to bucketed shapes (:func:`mlxq.batching.prefill.prefill_shape`).
+
+    Args:
+        max_rows: Rows a prefill pass may hold (the batch's size).
+        blank: Empty caches for this many rows, merged as a batch's: the padding rows.
+    """
+
+    max_rows: int
+    blank: Callable[[int], list[Any]]
+
+
 class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
     #: Where the generation batches it makes count their steps; set by :class:`Generator`
     #: and kept by every copy mlx-lm makes of this batch.
     counters: StepCounters
+    #: Pad each prefill to a bucketed shape; None: to its longest prompt, as mlx-lm does.
+    buckets: Buckets | None = None
 
     def _copy(self) -> Any:
         moved = super()._copy()
-        moved.counters = self.counters
+        moved.counters, moved.buckets = self.counters, self.buckets
         return moved
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        b = self.buckets
+        if not tokens or b is None or len(tokens) != len(self.uids):
+            if tokens:  # mlx-lm's own pass (and its error for a mismatch)
+                self.counters.count_prefill(len(tokens), max(len(t) for t in tokens))
+            super().prompt(tokens)
+            return
+        longest = max(len(t) for t in tokens)
+        rows, width = prefill_shape(len(tokens), longest, b.max_rows, self.prefill_step_size)
+        self.counters.count_prefill(rows, width)
+        self._prompt_as(tokens, rows, width, b)
+
+    def _prompt_as(self, tokens: list[list[int]], rows: int, width: int, b: Buckets) -> None:
+        """Prefill ``tokens`` in one pass of ``rows`` x ``width``: each prompt right-padded
+        to ``width`` (mlx-lm's right padding, rolled to the left once the pass is done, so
+        a row's cache is as an unpadded pass leaves it), under it rows of padding, dropped
+        after the pass."""
+        real = len(tokens)
+        for held, new in zip(self.tokens, tokens, strict=True):
+            held += new  # the tokens each row's cache holds
+        if rows > real:
+            self.prompt_cache = _extend_cache(self.prompt_cache, b.blank(rows - real))
+        lengths = [len(t) for t in tokens] + [width] * (rows - real)
+        padded = min(lengths) < width
+        if padded:
+            for c in self.prompt_cache:
+                c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+        x = mx.array([t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - real))
+        for start in range(0, width, self.prefill_step_size):
+            self.model(x[:, start : start + self.prefill_step_size], cache=self.prompt_cache)
+            mx.eval([c.state for c in self.prompt_cache])
+        for c in self.prompt_cache:
+            if padded:
+                c.finalize()
+            if rows > real:
+                c.filter(list(range(real)))
+        mx.eval([c.state for c in self.prompt_cache])
+        if rows * width > self.prefill_step_size:
+            mx.clear_cache()  # a large pass: its buffers go back, as mlx-lm's do
 
     def split(self, indices: list[int]) -> Any:
         # Every row at once (a burst's rows all reach their last prompt token together):
@@ -244,6 +318,8 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         sampler: The batch's one sampler, which also keeps each row's requests.
         counters: Where decode steps and sampler calls are counted.
         keep_caches: Whether finished rows' caches are handed back (a prompt cache).
+        buckets: Pad each prefill pass to a bucketed (rows, length) shape, so passes of
+            new rows repeat a few shapes (see :mod:`mlxq.batching.prefill`).
         **kw: mlx-lm's own ``BatchGenerator`` arguments.
     """
 
@@ -254,6 +330,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         counters: StepCounters,
         *,
         keep_caches: bool = False,
+        buckets: bool = False,
         **kw: Any,
     ) -> None:
         super().__init__(model, sampler=sampler, **kw)
@@ -261,6 +338,8 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
         self._prompt_batch.counters = counters
+        if buckets:
+            self._prompt_batch.buckets = Buckets(self.prefill_batch_size, self._blank)
         self._generation_batch = _BoundGenerationBatch(  # mlx-lm's empty batch, counting
             model=self.model,
             fallback_sampler=self.sampler,
@@ -275,6 +354,10 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             counters=counters,
         )
         self._generation_batch.keep_caches = keep_caches
+
+    def _blank(self, n: int) -> list[Any]:
+        caches = [make_prompt_cache(self.model, self.max_kv_size) for _ in range(n)]
+        return cast(list[Any], _merge_caches(caches))
 
     def take_out(self, uids: list[int]) -> dict[int, tuple[list[Any], list[int]]]:
         """Take rows out of the batch, each decoding row with a copy of its KV state and

@@ -56,6 +56,7 @@ class Intake:
         self.config, self.engine, self.bridge, self.held = config, engine, bridge, held
         self.sink, self.prefetch, self.ends, self._stop = sink, prefetch, ends, stop
         self.window = Window(config.window_ms / 1000, config.max_batch)
+        self.window_sizes: dict[int, int] = {}  # jobs an idle window took: windows
 
     def want(self, closed: bool) -> None:
         """Tell the prefetcher how many jobs to have ready (none when ``closed``), and
@@ -93,6 +94,8 @@ class Intake:
                 break
             self.prefetch.wait(self.window.remaining(now))
         self.window.close()
+        took = len(self.held.jobs(Status.BUFFERED))
+        self.window_sizes[took] = self.window_sizes.get(took, 0) + 1
 
     def add(self, jobs: list[Job], steps: int) -> None:
         """Hold these jobs, arrived at step ``steps``: waiting for a row."""

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from mlxq.batching.admission import AdmissionPolicy, admit
 from mlxq.batching.levels import Running, Shares, to_pause
+from mlxq.batching.prefill import Gather
 from mlxq.producer.codec import Chunk
 from mlxq.producer.outcome import Outcome
 from mlxq.worker import messages
@@ -75,6 +76,7 @@ class DecodeLoop:
         self.config, self.engine, self.bridge, self.inbox = config, engine, bridge, inbox
         self.held, self.sink, self.prefetch = held, sink, prefetch
         self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
+        self.gather = Gather(config.admit_hold_steps)
         self.interval = config.stream_interval_ms / 1000
         self.ttl_refresh_s = config.stream_ttl / 4
         self.steps = 0
@@ -138,6 +140,10 @@ class DecodeLoop:
         free = min(self.engine.free_slots, self.config.max_batch)
         if free <= 0:
             return
+        if not self._urgent(paused, buffered) and not self.gather.ready(
+            self.steps, free, len(buffered), self.engine.steps_left
+        ):
+            return  # a busy batch, letting jobs gather for one prefill
         running = Counter(j.key for j in self.held.jobs(Status.RUNNING))
         # Each queue's jobs in the order they take its rows: paused ones first (they
         # started first), then admission's order (FIFO, grouped by sampling params).
@@ -165,6 +171,17 @@ class DecodeLoop:
             self._resume(resume)
         if chosen:
             self._start(chosen)
+
+    def _urgent(self, paused: list[Job], buffered: list[Job]) -> bool:
+        """Whether free rows take jobs now, gathering none (:class:`Gather`): a paused job
+        waits to go on, or a job waits of a higher level than the lowest running."""
+        if paused:
+            return True
+        running = self.held.jobs(Status.RUNNING)
+        if not running or len(self.config.levels.levels) == 1:
+            return False
+        lowest = max(self.level.get(j.queue, 0) for j in running)
+        return any(self.level.get(j.queue, 0) < lowest for j in buffered)
 
     def _may_take(self, queue: str, free: int) -> bool:
         """Whether a job of ``queue`` may take one of ``free`` rows (``--reserve-rows``

@@ -136,6 +136,8 @@ class Prefetcher(Helper):
         self.failed = 0
         self.handed = 0  # jobs handed to another worker
         self.handed_in = 0  # jobs another worker handed this one
+        self.claim_calls = 0  # claims made (a claim moves and reads many jobs at once)
+        self.jobs_claimed = 0  # the jobs they brought
         self._ready: deque[Job] = deque()
         self._cond = threading.Condition()
         self._paused = threading.Event()
@@ -229,6 +231,7 @@ class Prefetcher(Helper):
         if not needs:
             return
         claimed = self.bridge.claim(needs)
+        self.claim_calls += 1
         if not claimed:
             # Nothing in any queue: block on the highest that wants jobs (every queue but
             # one is looked at again every POLL_S).
@@ -243,6 +246,8 @@ class Prefetcher(Helper):
                 return
             needs[queue] -= 1
             claimed = self.bridge.claim(needs, [first])
+            self.claim_calls += 1
+        self.jobs_claimed += len(claimed)
         self._accept(claimed)
 
     def _claim_each(self, stray: list[bytes]) -> list[Claimed]:

@@ -179,6 +179,13 @@ class Worker:
             resume_tokens_recomputed=c.resume_tokens_recomputed,
             tokens_by_queue=dict(self.loop.tokens_by_queue),
             held_by_queue=self.held.by_queue(),
+            prefill_batch_sizes={str(k): v for k, v in sorted(c.prefill_batch_sizes.items())},
+            prefill_shapes=len(c.prefill_shapes),
+            window_sizes={str(k): v for k, v in sorted(self.loop.intake.window_sizes.items())},
+            claim_calls=self.prefetch.claim_calls,
+            jobs_claimed=self.prefetch.jobs_claimed,
+            admit_held_steps=self.loop.gather.held_steps,
+            prefill_buckets=self.engine.prefill_buckets,
         )
 
 

@@ -75,6 +75,19 @@ class WorkerStats:
     #: Tokens decoded for each queue's jobs since the start, and jobs held now by queue.
     tokens_by_queue: dict[str, int] = field(default_factory=dict)
     held_by_queue: dict[str, int] = field(default_factory=dict)
+    #: How jobs went in: prefill passes by rows (``{"rows": passes}``, padded rows where
+    #: prefills are bucketed) and the distinct (rows, padded length) shapes among them;
+    #: the idle window's batches by jobs taken (``{"jobs": windows}``); claim calls the
+    #: prefetcher made and the jobs they brought.
+    prefill_batch_sizes: dict[str, int] = field(default_factory=dict)
+    prefill_shapes: int = 0
+    window_sizes: dict[str, int] = field(default_factory=dict)
+    claim_calls: int = 0
+    jobs_claimed: int = 0
+    #: Decode steps on which a busy batch let waiting jobs gather instead of admitting
+    #: them (``--admit-hold-steps``), and whether prefills are padded to bucketed shapes.
+    admit_held_steps: int = 0
+    prefill_buckets: bool = False
 
     @property
     def state(self) -> str:

@@ -1,0 +1,589 @@
+"""The same chat jobs three ways: mlx-lm direct, ``Client.submit_many``, and the official
+``openai`` client streaming through ``mlxq serve``; side by side, in one run.
+
+Why: jobs that reach a worker one HTTP request at a time should decode as fast as jobs
+submitted in one call. This measures both against mlx-lm's ``BatchGenerator`` driven
+directly on the same checkpoint, and shows how the worker took the jobs in: decode steps
+and tokens a step, prefill passes by rows and the new prefill shapes (``mlxq info``'s
+``prefill_batch_sizes``, ``prefill_shapes``), steps held (``--admit-hold-steps``), claims
+per claim call, and from the jobs' records how their enqueues spread and how long they
+waited to start.
+
+Starts a private redis-server, builds a random-weight model of --shape (tiny runs on a
+CPU; 0.5b is the GPU's), starts one ``mlxq worker --max-batch B`` per --variant and one
+``mlxq serve``, and for each --streams size N runs, each on prompts of its own:
+
+  direct   every prompt inserted into one BatchGenerator in this process (greedy)
+  submit   the N chat jobs through ``Client.submit_many``, until the last result
+  each     the same through the Python client, one ``submit`` a job, all at once
+           (how a gateway's jobs arrive, without HTTP; opt-in: --modes)
+  serve    N concurrent streaming chat completions, ``AsyncOpenAI`` over one httpx
+           client, all released together (greedy, ``max_tokens`` --tokens)
+
+then the first-token latency of a burst of --burst jobs on an idle worker: the Python
+client's (``AsyncClient.submit_many``, submit to each job's first chunk) and the openai
+client's through the gateway (request to each stream's first chunk with text), p50 and
+max. Streamed text must equal the job's stored result. Best of --rounds counts.
+
+Usage:
+    python ops/bench_serve.py                                # tiny model, CPU, a few minutes
+    python ops/bench_serve.py --batch 64 --streams 64,256 --modes direct,submit,each,serve
+    python ops/bench_serve.py --shape 0.5b --streams 64,256,1024 --tokens 128 --batch 64 \
+        --variant="--admit-hold-steps 0 --prefill-buckets off" --variant="" --json out.json
+
+A --variant is one worker's extra options (``--variant=""``: its defaults); ``NAME=value``
+words in it set that worker's environment (``MLX_CUDA_USE_CUDNN_SDPA=0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import bench_gateway
+import mlx.core as mx
+import procs
+import redis
+from bench_e2e import Direct, model_dir_for
+from bench_gateway import cpu_s, environment, oai_client, raise_fd_limit, run_streams, start_gateway
+from procs import stop
+from words import WORDS as ALL_WORDS
+
+from mlxq.producer import AsyncClient, AsyncJob, Client
+from mlxq.producer.info import collect
+from mlxq.producer.keys import RQ_JOB
+from mlxq.worker.random_model import SHAPES
+
+WORDS = ALL_WORDS[:24]
+WAIT_S = 3600.0
+GREEDY: dict[str, Any] = {"temperature": 0.0}
+DEFAULTS = {
+    "tiny": dict(batch=16, tokens=32, streams=[16, 64], burst=16),
+    "large": dict(batch=64, tokens=128, streams=[64, 256, 1024], burst=64),
+}
+
+
+def prompt(tag: str, i: int) -> str:
+    """Prompts of one length in tokens, whatever ``tag`` and ``i`` (both fixed width)."""
+    return f"{tag} {i:05d}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(16))
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# -- the worker's counters ----------------------------------------------------------------
+
+
+def diff_hist(after: dict[str, int], before: dict[str, int]) -> dict[int, int]:
+    out = {int(k): v - before.get(k, 0) for k, v in after.items()}
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
+@dataclass
+class Intake:
+    """How the worker took one run's jobs in (differences of its counters)."""
+
+    decode_steps: int = 0
+    decode_sizes_new: int = 0  # batch sizes no decode step had run at before
+    prefill_batch_sizes: dict[int, int] = field(default_factory=dict)
+    prefill_shapes_new: int = 0
+    window_sizes: dict[int, int] = field(default_factory=dict)
+    claim_calls: int = 0
+    jobs_claimed: int = 0
+    admit_held_steps: int = 0
+
+    @property
+    def prefill_passes(self) -> int:
+        return sum(self.prefill_batch_sizes.values())
+
+    @property
+    def rows_per_prefill(self) -> float:
+        rows = sum(k * v for k, v in self.prefill_batch_sizes.items())
+        return rows / self.prefill_passes if self.prefill_passes else float("nan")
+
+
+class Worker:
+    """One ``mlxq worker`` serving one queue, and its counters read through ``mlxq info``."""
+
+    def __init__(self, url: str, name: str, proc: subprocess.Popen[bytes], queue: str) -> None:
+        self.url, self.name, self.proc, self.queue = url, name, proc, queue
+        self.r = redis.Redis.from_url(url)
+        self.last: dict[str, Any] | None = None  # counters at the end of the last run
+
+    def counters(self) -> dict[str, Any]:
+        return next((w for w in collect(self.r)["workers"] if w["name"] == self.name), {})
+
+    def settled(self) -> dict[str, Any]:
+        """The counters as of now, every job before now done (the worker writes them about
+        once a second): the end of one run, and so the start of the next."""
+        now = time.time()
+        deadline = time.monotonic() + 10.0
+        while True:
+            c = self.counters()
+            done = float(c.get("updated_at", 0)) > now and not c.get("running", 1)
+            if done or time.monotonic() > deadline:
+                return c
+            time.sleep(0.1)
+
+    def run(self) -> tuple[dict[str, Any], Callable[[], Intake]]:
+        """A run's start: its counters now (the last run's end, when nothing ran since),
+        and what reads its intake once it is done."""
+        before = self.last or self.settled()
+
+        def done() -> Intake:
+            self.last = self.settled()
+            return self.intake(before, self.last)
+
+        return before, done
+
+    @staticmethod
+    def intake(before: dict[str, Any], after: dict[str, Any]) -> Intake:
+        def d(k: str) -> int:
+            return int(after.get(k, 0)) - int(before.get(k, 0))
+
+        seen = set(before.get("batch_sizes", {}))
+        return Intake(
+            d("decode_steps"),
+            len(set(after.get("batch_sizes", {})) - seen),
+            diff_hist(after.get("prefill_batch_sizes", {}), before.get("prefill_batch_sizes", {})),
+            d("prefill_shapes"),
+            diff_hist(after.get("window_sizes", {}), before.get("window_sizes", {})),
+            d("claim_calls"),
+            d("jobs_claimed"),
+            d("admit_held_steps"),
+        )
+
+
+# -- one run ------------------------------------------------------------------------------
+
+
+def _ts(raw: bytes | None) -> float | None:
+    if not raw:
+        return None
+    return datetime.fromisoformat(raw.decode().replace("Z", "+00:00")).timestamp()
+
+
+def job_times(url: str, ids: Sequence[str]) -> dict[str, float]:
+    """From the jobs' rq records: how long their enqueues spread (first to last), and
+    how long they waited from enqueue to start (p50, max): how they reached the worker."""
+    r = redis.Redis.from_url(url)
+    try:
+        with r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hmget(f"{RQ_JOB}{i}", ["enqueued_at", "started_at"])
+            got = [(_ts(e), _ts(s)) for e, s in p.execute()]
+    finally:
+        r.close()
+    enq = [e for e, _ in got if e is not None]
+    waits = [s - e for e, s in got if e is not None and s is not None]
+    if not enq or not waits:
+        return {}
+    return {
+        "enqueue_spread_s": max(enq) - min(enq),
+        "wait_p50_s": statistics.median(waits),
+        "wait_max_s": max(waits),
+    }
+
+
+@dataclass
+class Run:
+    mode: str
+    variant: str
+    streams: int
+    tokens: int
+    wall_s: float
+    errors: int = 0
+    gateway_cpu_s: float = 0.0
+    intake: Intake | None = None
+    times: dict[str, float] = field(default_factory=dict)
+    first_errors: list[str] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, direct: Direct, base: str, gw_pid: int) -> None:
+        self.args, self.direct, self.base, self.gw_pid = args, direct, base, gw_pid
+
+    def direct_run(self, texts: list[str]) -> Run:
+        ids = [self.direct.encode_chat(t) for t in texts]
+        run = self.direct.run("direct", ids, self.args.tokens, [GREEDY])
+        return Run("direct", "", len(texts), run.tokens, run.wall_s)
+
+    def submit_run(self, w: Worker, variant: str, texts: list[str]) -> Run:
+        client = Client(w.url, w.queue, result_ttl=3600)
+        try:
+            _, intake_of = w.run()
+            kws = [dict(messages=chat(t), max_tokens=self.args.tokens, **GREEDY) for t in texts]
+            t0 = time.perf_counter()
+            jobs = client.submit_many(kws)
+            results = [j.result(timeout=WAIT_S) for j in jobs]
+            wall = time.perf_counter() - t0
+        finally:
+            client.close()
+        tokens = sum(r.usage["completion_tokens"] for r in results)
+        intake = intake_of()
+        times = job_times(w.url, [j.id for j in jobs])
+        return Run("submit", variant, len(texts), tokens, wall, intake=intake, times=times)
+
+    def each_run(self, w: Worker, variant: str, texts: list[str]) -> Run:
+        """The jobs through the Python client, one ``submit`` each (concurrent), as a
+        gateway sends them: their arrival without HTTP's cost on this machine's cores."""
+        _, intake_of = w.run()
+        kws = [dict(messages=chat(t), max_tokens=self.args.tokens, **GREEDY) for t in texts]
+        t0 = time.perf_counter()
+        ids, tokens = asyncio.run(submit_each(w.url, w.queue, kws))
+        wall = time.perf_counter() - t0
+        intake, times = intake_of(), job_times(w.url, ids)
+        return Run("each", variant, len(texts), tokens, wall, intake=intake, times=times)
+
+    def serve_run(self, w: Worker, variant: str, texts: list[str], check: bool = True) -> Run:
+        _, intake_of = w.run()
+        g0 = cpu_s(self.gw_pid)
+        streams, wall = asyncio.run(run_streams(self.base, w.queue, texts, self.args.tokens))
+        gw = cpu_s(self.gw_pid) - g0
+        tokens = sum(s.tokens for s in streams)
+        intake = intake_of()
+        run = Run("serve", variant, len(texts), tokens, wall, gateway_cpu_s=gw, intake=intake)
+        run.times = job_times(w.url, [s.id.split("-", 1)[1] for s in streams if s.id])
+        client = Client(w.url, w.queue)
+        try:
+            for s in streams:
+                if s.error is None and check:
+                    result = client.job(s.id.split("-", 1)[1]).result(timeout=60)
+                    if (result.text, result.finish_reason) != (s.text, s.finish_reason):
+                        s.error = f"streamed {s.text!r} but the job's result is {result.text!r}"
+                if s.error is not None:
+                    run.errors += 1
+                    if len(run.first_errors) < 3:
+                        run.first_errors.append(s.error)
+        finally:
+            client.close()
+        return run
+
+
+async def submit_each(url: str, queue: str, kws: list[dict[str, Any]]) -> tuple[list[str], int]:
+    ac = AsyncClient(url, queue, result_ttl=3600)
+    try:
+        jobs = await asyncio.gather(*(ac.submit(**kw) for kw in kws))
+        results = await asyncio.gather(*(j.result(timeout=WAIT_S) for j in jobs))
+    finally:
+        await ac.aclose()
+    return [j.id for j in jobs], sum(r.usage["completion_tokens"] for r in results)
+
+
+# -- first tokens -------------------------------------------------------------------------
+
+
+async def python_burst(url: str, queue: str, texts: list[str], tokens: int) -> list[float]:
+    """Submit (one call) to each job's first streamed chunk, for jobs submitted together."""
+    ac = AsyncClient(url, queue)
+    kws = [dict(messages=chat(t), max_tokens=tokens, **GREEDY) for t in texts]
+    t0 = time.perf_counter()
+
+    async def first(job: AsyncJob) -> float:
+        dt = None
+        async for _ in job.stream(timeout=WAIT_S):
+            dt = dt if dt is not None else time.perf_counter() - t0
+        return dt if dt is not None else float("nan")
+
+    try:
+        return list(await asyncio.gather(*map(first, await ac.submit_many(kws))))
+    finally:
+        await ac.aclose()
+
+
+async def serve_burst(base: str, queue: str, texts: list[str], tokens: int) -> list[float]:
+    """Request to each stream's first chunk with text, for requests sent together."""
+    async with oai_client(base, len(texts)) as client:
+        go = asyncio.Event()
+
+        async def first(text: str) -> float:
+            await go.wait()
+            t0, dt = time.perf_counter(), None
+            stream = await client.chat.completions.create(
+                model=queue, messages=chat(text), max_tokens=tokens, stream=True, **GREEDY
+            )
+            async for c in stream:
+                if dt is None and c.choices and (c.choices[0].delta.content or "") != "":
+                    dt = time.perf_counter() - t0
+            return dt if dt is not None else float("nan")
+
+        tasks = [asyncio.create_task(first(t)) for t in texts]
+        await asyncio.sleep(0)
+        go.set()
+        return list(await asyncio.gather(*tasks))
+
+
+def ttft(w: Worker, base: str, tag: str, n: int, tokens: int) -> dict[str, float]:
+    """First-token p50 and max (seconds) of a burst of ``n``, both clients, the worker idle
+    before each burst."""
+    w.last = None  # counted by no run
+    py = asyncio.run(python_burst(w.url, w.queue, [prompt(tag + "p", i) for i in range(n)], tokens))
+    time.sleep(0.5)
+    sv = asyncio.run(serve_burst(base, w.queue, [prompt(tag + "s", i) for i in range(n)], tokens))
+    time.sleep(0.5)
+    return {
+        "python_p50_s": statistics.median(py),
+        "python_max_s": max(py),
+        "serve_p50_s": statistics.median(sv),
+        "serve_max_s": max(sv),
+    }
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def best_of(runs: Sequence[Run]) -> dict[tuple[str, str, int], Run]:
+    best: dict[tuple[str, str, int], Run] = {}
+    for r in runs:
+        k = (r.mode, r.variant, r.streams)
+        if k not in best or r.tok_s > best[k].tok_s:
+            best[k] = r
+    return best
+
+
+def ratios(best: dict[tuple[str, str, int], Run], r: Run) -> dict[str, float]:
+    out = {}
+    d = best.get(("direct", "", r.streams))
+    s = best.get(("submit", r.variant, r.streams))
+    if d is not None and r.mode != "direct":
+        out["vs_direct"] = r.tok_s / d.tok_s
+    if s is not None and r.mode == "serve":
+        out["vs_submit"] = r.tok_s / s.tok_s
+    return out
+
+
+def hist(h: dict[int, int], most: int = 6) -> str:
+    top = sorted(h.items(), key=lambda kv: -kv[1])[:most]
+    more = "" if len(h) <= most else f" +{len(h) - most} sizes"
+    return " ".join(f"{k}x{v}" for k, v in sorted(top)) + more
+
+
+def _row(r: Run, q: dict[str, float]) -> str:
+    i, t = r.intake, r.times
+    nan = float("nan")
+    cells = [
+        f"{r.mode:<7} {r.variant or '(default)':<28} {r.streams:>5} {r.tok_s:>8.1f}",
+        f"{q.get('vs_direct', nan):>7.2f} {q.get('vs_submit', nan):>7.2f}",
+    ]
+    if i is not None:
+        cells.append(
+            f"{i.decode_steps:>6} {r.tokens / max(1, i.decode_steps):>5.1f} "
+            f"{i.decode_sizes_new:>4} {i.prefill_passes:>5} "
+            f"{i.rows_per_prefill:>6.1f} {i.prefill_shapes_new:>4} {i.admit_held_steps:>5} "
+            f"{i.jobs_claimed:>5}/{i.claim_calls:<5} "
+            f"{1e3 * t.get('enqueue_spread_s', nan):>7.0f} {1e3 * t.get('wait_p50_s', nan):>7.0f} "
+            f"{r.gateway_cpu_s / r.wall_s if r.wall_s else 0:>5.2f}  {hist(i.prefill_batch_sizes)}"
+        )
+    return " ".join(cells) + (f"  ERRORS {r.errors}" if r.errors else "")
+
+
+def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[str, float]]]) -> str:
+    lines = [
+        f"{'mode':<7} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
+        f"{'steps':>6} {'r/st':>5} {'bs+':>4} {'pf':>5} {'rows':>6} {'sh+':>4} {'held':>5} "
+        f"{'claimed/calls':<11} {'enq ms':>7} {'wait ms':>7} {'gwCPU':>5}  prefill rows x passes",
+    ]
+    for _, r in sorted(best.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        lines.append(_row(r, ratios(best, r)))
+    for variant, ts in ttfts.items():
+        best_t = {k: min(t[k] for t in ts) for k in ts[0]}
+        ms = {k: 1e3 * v for k, v in best_t.items()}
+        lines.append(
+            f"first token, burst ({variant or 'default'}): python client p50 "
+            f"{ms['python_p50_s']:.1f} ms (max {ms['python_max_s']:.1f}); openai via serve p50 "
+            f"{ms['serve_p50_s']:.1f} ms (max {ms['serve_max_s']:.1f}); serve - python "
+            f"{ms['serve_p50_s'] - ms['python_p50_s']:+.1f} ms"
+        )
+    lines.append(
+        "steps: decode steps (r/st: tokens a step, which sets tokens/s where a step's time "
+        "hardly depends on its rows, as on a GPU); bs+: decode batch sizes new to the "
+        "worker; pf: prefill passes (rows: rows a pass); sh+: new (rows, padded length) "
+        "prefill shapes; held: decode steps a busy batch let jobs gather; enq ms: first to "
+        "last enqueue; wait ms: enqueue to start, p50; gwCPU: gateway cores busy"
+    )
+    return "\n".join(lines)
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--model-dir", help="build the model here (reused if it holds the shape)")
+    ap.add_argument("--batch", type=int, help="the worker's --max-batch (default 64; tiny 16)")
+    ap.add_argument("--tokens", type=int, help="max_tokens a job (default 128; tiny 32)")
+    ap.add_argument(
+        "--streams",
+        type=lambda s: [int(v) for v in s.split(",")],
+        help="jobs (concurrent streams) per point (default 64,256,1024; tiny 16,64)",
+    )
+    ap.add_argument("--burst", type=int, help="first-token burst size (default 64; tiny 16)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per point; the best counts")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        metavar="ARGS",
+        help="extra mlxq worker options for one worker (repeat to compare; default: one "
+        'worker with its defaults, as --variant "")',
+    )
+    ap.add_argument(
+        "--modes",
+        default="direct,submit,serve",
+        help="subset of direct,submit,each,serve (each: the Python client, one submit a job)",
+    )
+    ap.add_argument("--no-ttft", action="store_true", help="skip the first-token bursts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--json", metavar="OUT", help="write every figure here")
+    args = ap.parse_args(argv)
+    tiny = args.shape == "tiny"
+    for k, v in {**DEFAULTS["tiny" if tiny else "large"]}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.dtype is None:
+        args.dtype = "float32" if tiny else "bfloat16"
+    args.eos_reachable = False  # jobs of equal length: refills line up on both sides
+    args.variant = args.variant or [""]
+    args.modes = args.modes.split(",")
+    if bad := set(args.modes) - {"direct", "submit", "each", "serve"}:
+        ap.error(f"--modes: unknown {','.join(sorted(bad))}")
+    if min(args.batch, args.tokens, args.burst, args.rounds, *args.streams) < 1:
+        ap.error("--batch, --tokens, --burst, --rounds and --streams must be >= 1")
+    return args
+
+
+class ChatDirect(Direct):
+    """mlx-lm direct on the worker's own tokenization of a chat turn."""
+
+    def encode_chat(self, text: str) -> list[int]:
+        t = self.tokenizer.apply_chat_template(
+            chat(text), add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(t, add_special_tokens=False))
+
+
+def start_workers(
+    args: argparse.Namespace, model_dir: Path, url: str, work: Path, started: list[Any]
+) -> list[tuple[str, Worker]]:
+    """One worker per --variant: its words are ``mlxq worker`` options, but ``NAME=value``
+    words, which set its environment (``MLX_CUDA_USE_CUDNN_SDPA=0``)."""
+    workers = []
+    for k, variant in enumerate(args.variant):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("MLXQ_API_KEY", None)
+        words = variant.split()
+        env.update(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+        options = [w for w in words if "=" not in w or w.startswith("-")]
+        queue = f"bench-serve-{k}-{uuid.uuid4().hex[:6]}"
+        extra = ["--max-batch", str(args.batch), *options]
+        name, proc = procs.start_worker(
+            model_dir, url, queue, work / f"worker-{k}.log", extra, env=env, started=started
+        )
+        workers.append((variant, Worker(url, name, proc, queue)))
+    return workers
+
+
+def run_point(bench: Bench, workers: list[tuple[str, Worker]], n: int, tag: str) -> list[Run]:
+    """Every mode once at ``n`` streams, each on prompts of its own (so no run finds
+    another's in the worker's prompt cache)."""
+    runs = []
+    if "direct" in bench.args.modes:
+        runs.append(bench.direct_run([prompt(tag + "d", i) for i in range(n)]))
+    for variant, w in workers:
+        if "submit" in bench.args.modes:
+            runs.append(bench.submit_run(w, variant, [prompt(tag + "q", i) for i in range(n)]))
+        if "each" in bench.args.modes:
+            runs.append(bench.each_run(w, variant, [prompt(tag + "e", i) for i in range(n)]))
+        if "serve" in bench.args.modes:
+            runs.append(bench.serve_run(w, variant, [prompt(tag + "o", i) for i in range(n)]))
+    for r in runs:
+        i = r.intake
+        more = f", {i.prefill_passes} prefills, {i.admit_held_steps} held" if i else ""
+        print(f"  {r.mode:<7} {r.variant or '(default)':<28} {n:>5} {r.tok_s:9.1f} tok/s{more}")
+    return runs
+
+
+def measure(args: argparse.Namespace, url: str, work: Path, started: list[Any]) -> dict[str, Any]:
+    model_dir = model_dir_for(args, work)
+    direct = ChatDirect(model_dir, args.batch)
+    workers = start_workers(args, model_dir, url, work, started)
+    base, gateway = start_gateway(url, work, started)
+    bench = Bench(args, direct, base, gateway.pid)
+    print(
+        f"shape={args.shape} batch={args.batch} tokens={args.tokens} streams={args.streams} "
+        f"device={mx.default_device()} prompt tokens={len(direct.encode_chat(prompt('w', 0)))} "
+        f"variants={args.variant}",
+        flush=True,
+    )
+    # Warm up: MLX builds kernels (and a GPU its plans) for each new shape; time none of it.
+    warm = [prompt("warmup", i) for i in range(max(args.batch, args.burst))]
+    direct.run("warmup", [direct.encode_chat(t) for t in warm], 4, [GREEDY])
+    for variant, w in workers:
+        bench.submit_run(w, variant, warm)
+        bench.serve_run(w, variant, warm, check=False)
+    runs: list[Run] = []
+    ttfts: dict[str, list[dict[str, float]]] = {v: [] for v, _ in workers}
+    for rnd in range(args.rounds):
+        print(f"round {rnd + 1}/{args.rounds}", flush=True)
+        for n in args.streams:
+            runs += run_point(bench, workers, n, f"r{rnd}n{n}")
+        for variant, w in workers if not args.no_ttft else ():
+            ttfts[variant].append(ttft(w, base, f"t{rnd}", args.burst, args.tokens))
+    best = best_of(runs)
+    print("\n" + summary(best, ttfts if not args.no_ttft else {}))
+    for r in runs:
+        for e in r.first_errors:
+            print(f"ERROR ({r.mode} {r.variant} {r.streams}): {e}")
+    return {
+        "errors": sum(r.errors for r in runs),
+        "best": [{**asdict(r), "tok_s": r.tok_s, **ratios(best, r)} for r in best.values()],
+        "runs": [{**asdict(r), "tok_s": r.tok_s} for r in runs],
+        "ttft": ttfts,
+        "workers": {v: w.counters() for v, w in workers},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    raise_fd_limit()
+    if not bench_gateway.MLXQ.exists():  # an install whose scripts are not beside python
+        bench_gateway.MLXQ = Path(shutil.which("mlxq") or sys.exit("mlxq not found"))
+    started: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="mlxq-bench-serve-") as tmp:
+        work = Path(tmp)
+        try:
+            url, server = procs.start_redis(work, ["--maxclients", "10000"])
+            started.append(server)
+            doc = measure(args, url, work, started)
+            if args.json:
+                out = {"env": environment(), "args": vars(args), **doc}
+                Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+                print(f"wrote {args.json}")
+            return 1 if doc["errors"] else 0
+        finally:
+            for proc in reversed(started):  # gateway, workers, then Redis
+                stop(proc, 30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
