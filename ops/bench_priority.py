@@ -32,7 +32,7 @@ precision may break a near tie differently in another batch).
 Usage:
     python ops/bench_priority.py                          # tiny model on the CPU, minutes
     python ops/bench_priority.py --sweep-jobs 300 --idle-jobs 20 --duration 20
-    python ops/bench_priority.py --model DIR --sweep-jobs 10000 --fifo --json out.json
+    python ops/bench_priority.py --shape 0.5b --sweep-jobs 10000 --fifo --json out.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -682,12 +683,13 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+@functools.cache
 def device() -> str:
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return "unknown (no mlx here)"
-    return str(mx.default_device())
+    """MLX's default device, asked in a process of its own (this one keeps no MLX memory
+    the worker could use)."""
+    code = "import mlx.core as mx; print(mx.default_device())"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return got.stdout.strip() if got.returncode == 0 else "unknown (no mlx here)"
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -695,7 +697,17 @@ def device() -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--model", help="mlx-lm model dir (default: build the tiny model)")
+    ap.add_argument(
+        "--model",
+        help="mlx-lm model dir or repo id (default: build the tiny model, or --shape's)",
+    )
+    ap.add_argument(
+        "--shape",
+        choices=("0.5b", "1.5b"),
+        help="build a random-weight model of this shape (4-bit, end of sequence "
+        "unreachable, so every job runs its max_tokens) into --model, or a temp dir; a "
+        "--model dir that holds a model already is used as it is",
+    )
     ap.add_argument(
         "--sweep-jobs", type=int, help="jobs in the sweep (default 10000 on a GPU, 2000 else)"
     )
@@ -742,6 +754,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad := sorted(set(args.parts) - {"mix", "weights", "fifo"}):
         ap.error(f"--parts: unknown {','.join(bad)}; choose from mix, weights, fifo")
     return args
+
+
+def model_for(args: argparse.Namespace, work: Path) -> str:
+    """--model as given, or the model --shape names built (into --model when that is a
+    dir without one), or the tiny model."""
+    if args.shape is None:
+        if args.model is not None:
+            return str(args.model)
+        tiny = str(work / "tiny")
+        subprocess.run([str(MLXQ), "model", "tiny", tiny], check=True, capture_output=True)
+        return tiny
+    out = Path(args.model or work / f"model-{args.shape}")
+    if (out / "config.json").exists():
+        print(f"model: reusing {out}", flush=True)
+        return str(out)
+    t0 = time.perf_counter()
+    # In a process of its own: this one keeps no MLX memory the worker could use.
+    code = (
+        "import sys; from mlxq.worker.random_model import build_random_model as b; "
+        "b(sys.argv[1], shape=sys.argv[2], eos_reachable=False)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(out), args.shape], check=True)
+    print(f"model: built {args.shape} in {time.perf_counter() - t0:.0f} s at {out}", flush=True)
+    return str(out)
 
 
 def run(args: argparse.Namespace, url: str, work: Path) -> int:
@@ -817,10 +853,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             url = args.redis_url
             if url is None:
                 url, server = start_redis(work)
-            if args.model is None:
-                args.model = str(work / "tiny")
-                build = [str(MLXQ), "model", "tiny", args.model]
-                subprocess.run(build, check=True, capture_output=True)
+            args.model = model_for(args, work)
             t0 = time.monotonic()
             rc = run(args, url, work)
             print(f"run time {time.monotonic() - t0:.0f} s")
