@@ -513,6 +513,7 @@ def weights_phase(served: Served, args: argparse.Namespace) -> list[Window]:
         time.sleep(3)  # the batch fills with both queues' jobs
         windows: list[Window] = []
         edge, m0 = time.monotonic(), served.metrics()
+        least.update(dict.fromkeys(queues, low))  # what the feeder saw before is no window's
         while len(windows) < max(1, round(args.duration / args.window_s)):
             edge += args.window_s
             time.sleep(max(0.0, edge - time.monotonic()))
