@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed' \
 	-o -name '*.html' -o -name '*.lua')
 
-.PHONY: install browser demo test lint unit bench bench-e2e soak clean
+.PHONY: install browser demo test lint unit bench bench-e2e bench-priority soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: install
 # mlx-lm's BatchGenerator direct vs mlxq through Redis; ARGS="--shape 0.5b --json out.json".
 bench-e2e: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/bench_e2e.py $(ARGS)
+
+# Interactive chat jobs beside a sweep (levels of queues), weights, FIFO; issue 22's targets.
+# ARGS="--model DIR --sweep-jobs 10000 --fifo --json out.json".
+bench-priority: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/bench_priority.py $(ARGS)
 
 soak: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/soak.py

@@ -9,6 +9,12 @@ messages and a forged log entry, a worker frozen (SIGSTOP) past its lease while 
 runs, the same id queued twice, cancels racing the ends of jobs, and Redis at maxmemory
 (noeviction) for a few seconds. Beside them, a few chats run turn by turn, each turn
 resending the history, so turns are handed to the worker holding it under every fault.
+The workers serve two levels, ``--queue soak-chat --queue soak``: an interactive chat job
+goes to the higher one every half second while the soak's jobs are submitted, and pauses
+a soak job's row when none is free (its KV kept, resumed where it stopped). Each is
+followed from its submit: it must end exactly once with its stream equal to its result,
+and its first-token p50 is printed beside the soak jobs'. Some come right after a burst
+that fills every row, so rows must have been paused.
 Listeners follow a sample of streams; each worker's decode
 steps are scraped from its metrics port every 0.2 s. Every job must end exactly once,
 finished, failed with a reason, or canceled; no listener may see a chunk twice or a text
@@ -62,6 +68,9 @@ from mlxq.producer.keys import (
 )
 
 QUEUE = "soak"
+#: The higher level: interactive chat jobs beside the soak's, which are its sweep.
+CHAT_QUEUE = "soak-chat"
+INTERACTIVE_EVERY_S = 0.5
 MAX_BATCH = 32
 TERMINAL = ("finished", "failed", "canceled")
 # The five sampling-param groups; the fifth (seeded) is built per job.
@@ -79,7 +88,8 @@ class Tally:
     """What the soak saw; written by the submitter, poller, listener and fault threads."""
 
     faults: Counter[str] = field(default_factory=Counter)
-    # job id -> soak | burst | poison | poisoned (a valid job with a rogue key) | race
+    # job id -> soak | burst | poison | poisoned (a valid job with a rogue key) | race |
+    # chat | interactive
     kind: dict[str, str] = field(default_factory=dict)
     final: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (status, reason)
     watch: set[str] = field(default_factory=set)  # ended jobs whose records still live
@@ -89,6 +99,9 @@ class Tally:
     poison_started: int = 0  # poison jobs that reached the engine (must be 0)
     submit_retries: int = 0
     listened: set[str] = field(default_factory=set)
+    # job id -> seconds from its submit to its first text (interactive jobs, and the soak
+    # jobs the submitter follows: the sweep beside them)
+    first_text_s: dict[str, float] = field(default_factory=dict)
     chunks_seen: int = 0
     listener_errors: int = 0
     duplicates: int = 0
@@ -100,6 +113,7 @@ class Tally:
     stall_samples: int = 0
     busy_samples: int = 0  # scrapes that found jobs running
     longest_gap: float = 0.0  # the longest stretch without a decode step (upper bound)
+    paused: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (paused, resumed)
     stray: list[str] = field(default_factory=list)  # rogue ids still in a list at the end
     sigterm_rcs: list[int] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
@@ -201,6 +215,8 @@ class Cluster:
                 "--redis-url",
                 self.url,
                 "--queue",
+                CHAT_QUEUE,
+                "--queue",
                 QUEUE,
                 "--max-batch",
                 str(MAX_BATCH),
@@ -255,18 +271,20 @@ class Cluster:
         self.stop_redis()
 
 
-def scrape(port: int) -> tuple[int, int] | None:
-    """A worker's (decode steps, jobs running) from its metrics port; None if it is down."""
+def scrape(port: int) -> tuple[int, int, int, int] | None:
+    """A worker's (decode steps, jobs running, rows paused, rows resumed) from its metrics
+    port; None if it is down."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
             text = resp.read().decode()
     except OSError:
         return None
-    steps = re.search(r"^mlxq_decode_steps_total (\S+)$", text, re.M)
-    running = re.search(r"^mlxq_num_requests_running (\S+)$", text, re.M)
-    if steps is None or running is None:
+    names = ("decode_steps_total", "num_requests_running", "preemptions_total", "resumes_total")
+    found = [re.search(rf"^mlxq_{n} (\S+)$", text, re.M) for n in names]
+    if any(m is None for m in found):
         return None
-    return int(float(steps.group(1))), int(float(running.group(1)))
+    steps, running, paused, resumed = (int(float(m.group(1))) for m in found if m is not None)
+    return steps, running, paused, resumed
 
 
 #: What every third soak job's prompt starts with (about 190 tokens of the tiny model's
@@ -295,6 +313,18 @@ def job_kwargs(k: int) -> dict[str, Any]:
     return {**prompt, "max_tokens": rng.randint(8, 24), **params}
 
 
+def interactive_kwargs(k: int) -> dict[str, Any]:
+    """Interactive job k: a short chat, seeded, 32 tokens."""
+    rng = random.Random(-1 - k)
+    content = f"quick question {k}: " + " ".join(rng.sample(WORDS, 6))
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 32,
+        "temperature": 0.7,
+        "seed": k,
+    }
+
+
 class Soak:
     def __init__(self, cluster: Cluster, args: argparse.Namespace) -> None:
         self.c, self.args, self.t = cluster, args, Tally()
@@ -313,10 +343,10 @@ class Soak:
 
     # -- submit and follow -------------------------------------------------------------
 
-    def submit(self, kws: list[dict[str, Any]], kind: str) -> list[Job]:
+    def submit(self, kws: list[dict[str, Any]], kind: str, queue: str = QUEUE) -> list[Job]:
         def attempt() -> list[Job]:
             try:
-                return self.client.submit_many(kws)
+                return self.client.submit_many(kws, queue=queue)
             except redis.RedisError as e:
                 if refused(e):  # Redis is restarting or full: send the batch again
                     self.t.submit_retries += 1
@@ -333,10 +363,11 @@ class Soak:
         for start in range(0, n, batch):
             time.sleep(max(0.0, t0 + start * self.args.submit_s / n - time.monotonic()))
             kws = [job_kwargs(k) for k in range(start, min(n, start + batch))]
+            sent = time.monotonic()
             for k, job in enumerate(self.submit(kws, "soak"), start):
                 self.submitted += 1
                 if k % 10 == 0:  # a sample of listeners; faults add the jobs they hit
-                    self.listen(job.id)
+                    self.listen(job.id, sent)
             if start + batch >= n // 2 and not half.is_set():
                 self.t.memory["middle"] = self.c.memory()
                 half.set()
@@ -360,20 +391,37 @@ class Soak:
             except Exception:
                 messages = []
 
-    def listen(self, job_id: str) -> None:
+    def interactive(self, stop: threading.Event) -> None:
+        """An interactive chat job on the higher level every half second while the soak's
+        jobs are submitted, each followed from its submit."""
+        for k in itertools.count():
+            if stop.wait(INTERACTIVE_EVERY_S):
+                return
+            sent = time.monotonic()
+            (job,) = self.submit([interactive_kwargs(k)], "interactive", CHAT_QUEUE)
+            self.listen(job.id, sent)
+
+    def listen(self, job_id: str, sent: float | None = None) -> None:
+        """Follow a job's stream in a thread of its own; ``sent``: when it was submitted
+        (its first text is timed from then)."""
         with self.t.lock:
             if job_id in self.t.listened:
                 return
             self.t.listened.add(job_id)
-        th = threading.Thread(target=self.follow, args=(Job(self.client, job_id),), daemon=True)
+        job = Job(self.client, job_id)
+        th = threading.Thread(target=self.follow, args=(job, sent), daemon=True)
         th.start()
         self.listeners.append(th)
 
-    def follow(self, job: Job) -> None:
+    def follow(self, job: Job, sent: float | None = None) -> None:
         """Record every chunk; a reset voids the text shown before it."""
         seqs, text, ended = [], "", ""
         try:
             for c in job.stream(timeout=self.args.drain_s + self.args.submit_s + 120):
+                if sent is not None and c.text:
+                    with self.t.lock:
+                        self.t.first_text_s[job.id] = time.monotonic() - sent
+                    sent = None
                 seqs.append(c.seq)
                 text = "" if c.kind == "reset" else text + c.text
                 ended = c.finish_reason or ended
@@ -491,6 +539,7 @@ class Soak:
                     self.note_gap(name, run[0], run[2] - run[0], back - run[1] if moved else 0)
                 if got is None:
                     continue  # down (killed, or not serving yet)
+                self.t.paused[name] = (got[2], got[3])  # kept when the worker is killed
                 self.t.stall_samples += 1
                 if got[1] > 0:  # jobs running: a stretch starts at this count
                     self.t.busy_samples += 1
@@ -553,13 +602,20 @@ class Soak:
         return f"CLIENT KILL: {normal} normal, {pubsub} pubsub connections; {held} jobs held"
 
     def cancel_sample(self) -> str:
-        """A burst deep enough to leave some jobs queued; cancel 5 running and 5 queued."""
+        """A burst deep enough to leave some jobs queued, interactive jobs that pause some
+        of its rows; cancel 5 running (or paused) and 5 queued."""
         jobs = self.submit(
             [{**job_kwargs(k), "max_tokens": 24} for k in range(4 * MAX_BATCH)], "burst"
         )
         for j in jobs:
             self.listen(j.id)
         time.sleep(0.3)
+        # Interactive jobs now find every row taken: soak jobs are paused for them (and a
+        # paused one may be among those canceled next).
+        sent = time.monotonic()
+        kws = [interactive_kwargs(10**6 + next(self.serial)) for _ in range(8)]
+        for j in self.submit(kws, "interactive", CHAT_QUEUE):
+            self.listen(j.id, sent)
         picked = Counter[str]()
         for j in jobs:
             st = retry(j.status)
@@ -567,7 +623,10 @@ class Soak:
                 picked[st] += 1
                 self.t.cancel_asked[j.id] = st
                 self.t.cancel_said[j.id] = ("cancel_sample", True)
-        return f"canceled {picked['started']} running and {picked['queued']} queued jobs"
+        return (
+            f"8 interactive jobs beside a burst of {len(jobs)}; canceled "
+            f"{picked['started']} running and {picked['queued']} queued jobs"
+        )
 
     def poison(self) -> str:
         r = self.c.r
@@ -865,6 +924,7 @@ class Soak:
             threading.Thread(target=self.chatter, args=(k, talking), daemon=True)
             for k in range(CHATS)
         ]
+        chats.append(threading.Thread(target=self.interactive, args=(talking,), daemon=True))
         for th in chats:
             th.start()
         self.inject(submitting)
@@ -884,14 +944,16 @@ class Soak:
         # Every job ended, so rq must show none started: name any it still does.
         started = [
             f"{i[:8]} {self.t.final.get(i, ('untracked',))[0]}"
-            for i in retry(StartedJobRegistry(QUEUE, connection=c.r).get_job_ids)
+            for q in (CHAT_QUEUE, QUEUE)
+            for i in retry(StartedJobRegistry(q, connection=c.r).get_job_ids)
         ]
         self.say(f"drained; StartedJobRegistry holds {started}; waiting out the TTLs")
         time.sleep(self.args.ttl + 3)
         stop.set()
         poller.join()
         self.poll_once()
-        clean_registries(Queue(QUEUE, connection=c.r, serializer=MsgpackSerializer))
+        for q in (CHAT_QUEUE, QUEUE):
+            clean_registries(Queue(q, connection=c.r, serializer=MsgpackSerializer))
         self.t.memory["after"] = c.memory()
         return self.report(started)
 
@@ -906,7 +968,8 @@ class Soak:
         """What is left in the queue and in every WIP list once every job ended: each entry
         is a rogue id or a duplicate that nobody dropped."""
         r, out = self.c.r, []
-        for k in [queue_key(QUEUE), *(k.decode() for k in r.scan_iter(match=wip_key("*")))]:
+        wips = (k.decode() for k in r.scan_iter(match=wip_key("*")))
+        for k in [queue_key(CHAT_QUEUE), queue_key(QUEUE), *wips]:
             out += [f"{k}: {i!r}" for i in retry(lambda k=k: r.lrange(k, 0, -1))]
         return out
 
@@ -947,6 +1010,7 @@ class Soak:
                 f"{len(t.kind)} ({dict(Counter(t.kind.values()))}); "
                 f"{t.submit_retries} submit batches retried",
             ),
+            *self.interactive_rows(),
             ("finished", status["finished"]),
             (
                 "failed with reason: poison",
@@ -1026,10 +1090,57 @@ class Soak:
             "workers died unasked": len(t.unexpected_exits),
             "no prompt cache hit": hits == 0,
             "no chat turn handed": handed == 0,
+            "interactive not finished": len(self.unfinished_interactive()),
+            "no row paused": sum(v[0] for v in t.paused.values()) == 0,
         }
         bad = {k: v for k, v in bad.items() if v}
         print(f"\n{'FAIL: ' + str(bad) if bad else 'PASS'}")
         return not bad
+
+    def unfinished_interactive(self) -> list[str]:
+        """Interactive jobs that did not finish, but for those a cancel said it canceled."""
+        t, out = self.t, []
+        for i, kind in t.kind.items():
+            end = t.final.get(i, ("lost", ""))
+            canceled = end[0] == "canceled" and t.cancel_said.get(i, ("", False))[1]
+            if kind == "interactive" and end[0] != "finished" and not canceled:
+                out.append(f"{i} {end}")
+        return out
+
+    def interactive_rows(self) -> list[tuple[str, Any]]:
+        """The interactive jobs beside the soak's: their ends, their first text against
+        the soak jobs', and the rows paused for them (by the workers alive now)."""
+        t = self.t
+        ids = [i for i, kind in t.kind.items() if kind == "interactive"]
+        ends = Counter(t.final.get(i, ("lost",))[0] for i in ids)
+        unfinished = self.unfinished_interactive()
+
+        def first(kind: str) -> str:
+            xs = sorted(s for i, s in t.first_text_s.items() if t.kind.get(i) == kind)
+            if not xs:
+                return "none timed"
+            p99 = xs[max(0, math.ceil(0.99 * len(xs)) - 1)]
+            return f"p50 {1e3 * xs[len(xs) // 2]:,.0f} ms, p99 {1e3 * p99:,.0f} ms ({len(xs)})"
+
+        paused = [sum(v[k] for v in t.paused.values()) for k in (0, 1)]
+        live = collect(self.c.r)["workers"]
+        again = sum(w.get("resume_tokens_recomputed", 0) for w in live)
+        return [
+            (
+                f"interactive jobs ({CHAT_QUEUE})",
+                f"{len(ids)} submitted, ends {dict(ends)}; not finished (must be 0): "
+                f"{len(unfinished)} {unfinished[:3] or ''}",
+            ),
+            (
+                "first text from submit",
+                f"interactive {first('interactive')}; soak jobs beside them {first('soak')}",
+            ),
+            (
+                "rows paused (must be > 0) / resumed",
+                f"{paused[0]} / {paused[1]}, by {len(t.paused)} workers (last scrape of "
+                f"each); tokens prefilled again on resume {again} (workers alive at the end)",
+            ),
+        ]
 
     def whereabouts(self, ids: list[str]) -> list[str]:
         """Where lost jobs are: their rq status and which worker's WIP list holds them."""
@@ -1045,9 +1156,11 @@ class Soak:
 
     def leftovers(self) -> list[tuple[str, Any]]:
         """Keys still in Redis after the TTLs, by prefix; those with no TTL never go."""
-        names = [k.decode() for k in self.c.r.scan_iter(count=1000)]
+        raw = list(self.c.r.scan_iter(count=1000))
+        # A rogue id pushed by bad_ids may name a key: shown escaped, looked up as is.
+        names = [k.decode(errors="backslashreplace") for k in raw]
         with self.c.r.pipeline(transaction=False) as p:
-            for k in names:
+            for k in raw:
                 p.ttl(k)
             ttls = p.execute()
         prefix = [":".join(k.split(":")[:2]) for k in names]
