@@ -70,11 +70,11 @@ for _, id in ipairs(ids) do
     f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_clean',
                    'mlxq_cancel', 'enqueued_at', 'failure_ttl', 'mlxq_handed')
     redis.call('ZREM', handed, id)  -- claimed (or dropped) here: never given back
-    if popped[id] and origin(id) ~= queue_name then
-      redis.pcall('HSET', jk, 'origin', queue_name)  -- a rogue origin: its queue is this one
-    end
   end
-  local o = origin(id)
+  -- A job taken from this queue is this queue's, whatever its record says (a rogue origin
+  -- is set right below, once the claim is accepted).
+  local o = origin(id) or queue_name
+  if popped[id] then o = queue_name end
   local status, owner = f[1], f[2] or ''
   if record == 'rebuilt' then
     out[#out + 1] = {id, 'broken', note}  -- this worker's now, to fail by that reason
@@ -90,7 +90,7 @@ for _, id in ipairs(ids) do
     mark_canceled(id, okey(o, K_CANCELED, canceled), f[7], now_ts, now_str, notice, max_ttl)
     out[#out + 1] = {id, 'canceled'}
   else
-    local w = redis.pcall('HSET', jk, 'mlxq_owner', worker)
+    local w = redis.pcall('HSET', jk, 'mlxq_owner', worker, 'origin', o)
     if is_err(w) then
       -- Not claimed after all: back to the queue's front, for whoever has memory.
       redis.call('LREM', wip, 1, id)
@@ -109,7 +109,7 @@ for _, id in ipairs(ids) do
         out[#out + 1] = {id, 'toolarge', size}
       else
         out[#out + 1] = {id, 'ok', redis.call('HGET', jk, 'data'), attempt, clean, f[6] or '',
-                         f[8] and '1' or '', o or queue_name}
+                         f[8] and '1' or '', o}
       end
     end
   end
