@@ -60,10 +60,8 @@ class Intake:
 
     def want(self, closed: bool) -> None:
         """Tell the prefetcher how many jobs to have ready (none when ``closed``), and
-        how many wait here for a row, by level."""
-        waiting = Counter(
-            self.prefetch.level(j.queue) for j in self.held.jobs(Status.BUFFERED, Status.PAUSED)
-        )
+        how many wait here for a row, by queue."""
+        waiting = Counter(j.queue for j in self.held.jobs(Status.BUFFERED, Status.PAUSED))
         # A whole batch in reserve: when every row ends at once (a sweep of equal jobs),
         # the next batch is ready to prefill in one pass.
         want = self.engine.free_slots + self.config.max_batch

@@ -132,7 +132,7 @@ class Prefetcher(Helper):
         self.levels = levels or Levels.parse([bridge.queue_name])
         self._level = {q: self.levels.level_of(q) for q in self.levels.queues}
         self.want = 0  # jobs the loop could use soon, beside those waiting for a row
-        self._waiting: Mapping[int, int] = {}  # jobs the loop holds waiting, by level
+        self._waiting: Mapping[str, int] = {}  # jobs the loop holds waiting, by queue
         self.failed = 0
         self.handed = 0  # jobs handed to another worker
         self.handed_in = 0  # jobs another worker handed this one
@@ -156,10 +156,10 @@ class Prefetcher(Helper):
             with self._cond:
                 self._cond.notify_all()
 
-    def plan(self, want: int, waiting: Mapping[int, int]) -> None:
+    def plan(self, want: int, waiting: Mapping[str, int]) -> None:
         """Have jobs ready for ``want`` rows, beside ``waiting`` (the jobs the loop holds
-        waiting for a row, by level): a level claims only for the rows its own and higher
-        levels' jobs leave."""
+        waiting for a row, by queue): a level claims only for the rows its own and higher
+        levels' jobs leave, and a queue of a shared level only for its weight's share."""
         with self._cond:
             self.want, self._waiting = want, dict(waiting)
 
@@ -203,16 +203,27 @@ class Prefetcher(Helper):
         with self._cond:
             needs: dict[str, int] = {}
             if not self._paused.is_set():
-                have = Counter(self.level(j.queue) for j in self._ready)
+                have = Counter(j.queue for j in self._ready)
+                for q, n in self._waiting.items():
+                    have[q] += n
                 above = 0
-                for i, level in enumerate(self.levels.levels):
-                    above += self._waiting.get(i, 0) + have[i]
+                for level in self.levels.levels:
+                    mine = sum(have[s.queue] for s in level)
+                    above += mine
                     need = self.want - above
                     if need <= 0:
                         continue
+                    if len(level) == 1:
+                        needs[level[0].queue] = need
+                        continue
+                    # Queues sharing a level each keep their weight's share of the rows
+                    # ready (at least one), so a backlog of one never shuts out another.
                     total = sum(s.weight for s in level)
-                    for s in level:  # a level's rows split by weight, each queue at least 1
-                        needs[s.queue] = max(1, math.ceil(need * s.weight / total))
+                    room = self.want - (above - mine)
+                    for s in level:
+                        share = max(1, math.ceil(room * s.weight / total)) - have[s.queue]
+                        if share > 0:
+                            needs[s.queue] = min(share, need)
             if not needs:
                 self._cond.wait(0.05)
             return needs
