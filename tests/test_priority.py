@@ -291,3 +291,20 @@ def test_rq_suspend_gives_waiting_jobs_back_to_their_own_queues(redis_server, st
     for j in later:
         j.result(timeout=120)
     _clean(r, hi, lo)
+
+
+def test_rogue_entries_on_another_queue_change_no_jobs_queue(redis_server, start_worker, r):
+    hi, lo = _queues()
+    w = start_worker([hi, lo], max_batch=2, window_ms=0)
+    (running,) = _long(Client(redis_server.url, queue=hi), 1, 1500)
+    _started([running], 1)
+    # A second entry for the running job on the other queue, and an id with no record.
+    r.rpush(f"rq:queue:{lo}", running.id, "no-such-job")
+    wait_for(lambda: r.llen(f"rq:queue:{lo}") == 0, "the rogue entries claimed and dropped")
+    assert r.hget(f"rq:job:{running.id}", "origin") == hi.encode()
+    assert not r.exists("rq:job:no-such-job"), "a dropped entry leaves no record behind"
+    assert running.cancel()
+    wait_for(lambda: running.status() == "canceled", "the job to end")
+    assert r.zcard(f"rq:canceled:{hi}") == 1 and r.zcard(f"rq:canceled:{lo}") == 0
+    _stats(r, w.name, lambda s: s["running"] == 0)
+    _clean(r, hi, lo)

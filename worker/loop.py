@@ -48,6 +48,10 @@ log = logging.getLogger("mlxq.worker")
 MAX_ATTEMPTS = 3
 #: After stopping, how long the writer may take to commit what is left.
 SETTLE_S = 10.0
+#: A waiting job of a higher level pauses no row while as many rows end for sure within
+#: this many decode steps (their ``max_tokens`` run out): a sweep of short jobs frees a row
+#: about every step, and a pause and its resume cost far more than a step or two of wait.
+PAUSE_WAIT_STEPS = 4
 
 
 class DecodeLoop:
@@ -207,9 +211,11 @@ class DecodeLoop:
         candidates = [
             Running(j.id, self.level.get(j.queue, 0), j.started_mono, j.pauses)
             for j in running
-            if j.id not in self.ends.fresh  # not before its first step
+            # Not before its first token: pausing a row in its prefill throws that away.
+            if j.id not in self.ends.fresh and j.generated > 0
         ]
-        free = self.engine.free_slots
+        ending = sum(n <= PAUSE_WAIT_STEPS for n in self.engine.steps_left())
+        free = self.engine.free_slots + ending
         if lowest_waiting > 0:
             free -= self.config.reserve_rows
         ids = set(to_pause(by_level, candidates, max(0, free), self.config.max_pauses))
