@@ -239,12 +239,12 @@ def test_workers_with_different_queue_lists_requeue_each_job_to_its_own_queue(
     tag = uuid.uuid4().hex[:8]
     x, y = f"x-{tag}", f"y-{tag}"
     start_worker([x], max_batch=2, window_ms=0)
+    xs = _long(Client(redis_server.url, queue=x), 4, 20)
+    for j in xs:  # before the other starts: a full worker keeps jobs ready for its rows
+        j.result(timeout=120)
     both = start_worker([y, x], max_batch=2, window_ms=0)
     ys = _long(Client(redis_server.url, queue=y), 2, 2000)
-    xs = _long(Client(redis_server.url, queue=x), 4, 20)
     _started(ys, 2)
-    for j in xs:
-        j.result(timeout=120)
     both.signal(signal.SIGKILL)
     both.proc.wait(10)
     # The worker serving only x reaps the dead one (both were on x's roll): its y jobs
