@@ -2,10 +2,8 @@
 
 Each turn takes what the other threads sent (start verdicts, committed ends, cancels, a
 lost lease: :mod:`mlxq.worker.messages`), takes the jobs the prefetcher made ready
-(:mod:`mlxq.worker.intake`), admits them into free rows (the highest level with a job
-waiting first, by weight within a level: :class:`mlxq.batching.levels.Shares`; a job of a
-higher level that finds no free row pauses the youngest row of the lowest level running,
-which resumes, its KV kept, when a row is free at its level), runs one engine step, and hands
+(:mod:`mlxq.worker.intake`), admits them into free rows as :mod:`mlxq.worker.schedule`
+chooses (levels, weights, pauses), runs one engine step, and hands
 each job's output to the writer: chunks when due, an end when the job left the batch
 (:mod:`mlxq.worker.endings`). It never waits on Redis; a row is free for the next job the
 moment its job ends. The threads around it are started and stopped by
@@ -22,9 +20,6 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping
 
-from mlxq.batching.admission import AdmissionPolicy, admit
-from mlxq.batching.levels import Running, Shares, to_pause
-from mlxq.batching.prefill import Gather
 from mlxq.producer.codec import Chunk
 from mlxq.producer.outcome import Outcome
 from mlxq.worker import messages
@@ -38,6 +33,7 @@ from mlxq.worker.jobs import Job, Status, apply_deltas
 from mlxq.worker.logs import log_end, log_started
 from mlxq.worker.metrics import NoMetrics
 from mlxq.worker.prefetch import Prefetcher
+from mlxq.worker.schedule import Scheduler
 from mlxq.worker.sink import Sink
 from mlxq.worker.writes import ChunkWrite, ReleaseMode, StartWrite
 
@@ -48,10 +44,6 @@ log = logging.getLogger("mlxq.worker")
 MAX_ATTEMPTS = 3
 #: After stopping, how long the writer may take to commit what is left.
 SETTLE_S = 10.0
-#: A waiting job of a higher level pauses no row while as many rows end for sure within
-#: this many decode steps (their ``max_tokens`` run out): a sweep of short jobs frees a row
-#: about every step, and a pause and its resume cost far more than a step or two of wait.
-PAUSE_WAIT_STEPS = 4
 
 
 class DecodeLoop:
@@ -79,20 +71,17 @@ class DecodeLoop:
     ) -> None:
         self.config, self.engine, self.bridge, self.inbox = config, engine, bridge, inbox
         self.held, self.sink, self.prefetch = held, sink, prefetch
-        self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
-        self.gather = Gather(config.admit_hold_steps)
         self.interval = config.stream_interval_ms / 1000
         self.ttl_refresh_s = config.stream_ttl / 4
         self.steps = 0
         self.outcomes: Counter[Outcome] = Counter()
         self.metrics: NoMetrics = NoMetrics()
         self.suspended = False  # rq's suspend key is set: admit nothing new
-        self.shares = Shares(config.levels)
-        self.level = {q: config.levels.level_of(q) for q in config.levels.queues}
         self.tokens_by_queue: Counter[str] = Counter(dict.fromkeys(config.levels.queues, 0))
         self._stop = threading.Event()
         self._hard = threading.Event()
         self.ends = Endings(config, engine, held, sink)
+        self.schedule = Scheduler(config, engine, held, self.ends)
         self.intake = Intake(config, engine, bridge, held, sink, prefetch, self.ends, self._stop)
 
     @property
@@ -131,108 +120,13 @@ class DecodeLoop:
     # -- schedule ----------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Fill free rows: paused jobs resume and waiting ones start, the highest level
-        first (stopping or suspended: only paused jobs, which started already)."""
-        paused = sorted(self.held.jobs(Status.PAUSED), key=lambda j: j.started_mono)
-        closed = self._stop.is_set() or self.suspended
-        buffered = [] if closed else self.held.jobs(Status.BUFFERED)
-        if not paused and not buffered:
-            return
-        if self.config.preempt and len(self.config.levels.levels) > 1:
-            self._preempt(paused + buffered)
-            paused = sorted(self.held.jobs(Status.PAUSED), key=lambda j: j.started_mono)
-        free = min(self.engine.free_slots, self.config.max_batch)
-        if free <= 0:
-            return
-        if not self._urgent(paused, buffered) and not self.gather.ready(
-            self.steps, free, len(buffered), self.engine.steps_left
-        ):
-            return  # a busy batch, letting jobs gather for one prefill
-        running = Counter(j.key for j in self.held.jobs(Status.RUNNING))
-        # Each queue's jobs in the order they take its rows: paused ones first (they
-        # started first), then admission's order (FIFO, grouped by sampling params).
-        order: dict[str, list[Job]] = {}
-        for job in paused:
-            order.setdefault(job.queue, []).append(job)
-        waiting: dict[str, list[Job]] = {}
-        for job in buffered:
-            waiting.setdefault(job.queue, []).append(job)
-        for q, jobs in waiting.items():
-            slots = min(len(jobs), free)
-            order.setdefault(q, []).extend(admit(jobs, running, slots, self.steps, self.policy))
-        resume: list[Job] = []
-        chosen: list[Job] = []
-        while free > 0:
-            top = [q for q, jobs in order.items() if jobs and self._may_take(q, free)]
-            pick = self.shares.pick(top)
-            if pick is None:
-                break
-            job = order[pick].pop(0)
-            free -= 1
-            self._charge(job, job.request.max_tokens * job.request.n)
-            (resume if job.status is Status.PAUSED else chosen).append(job)
+        """Fill free rows: paused jobs resume and waiting ones start, as the scheduler
+        chooses (stopping or suspended: only paused jobs, which started already)."""
+        resume, chosen = self.schedule.choose(self.steps, self._stop.is_set() or self.suspended)
         if resume:
             self._resume(resume)
         if chosen:
             self._start(chosen)
-
-    def _urgent(self, paused: list[Job], buffered: list[Job]) -> bool:
-        """Whether free rows take jobs now, gathering none (:class:`Gather`): a paused job
-        waits to go on, or a job waits of a higher level than the lowest running."""
-        if paused:
-            return True
-        running = self.held.jobs(Status.RUNNING)
-        if not running or len(self.config.levels.levels) == 1:
-            return False
-        lowest = max(self.level.get(j.queue, 0) for j in running)
-        return any(self.level.get(j.queue, 0) < lowest for j in buffered)
-
-    def _may_take(self, queue: str, free: int) -> bool:
-        """Whether a job of ``queue`` may take one of ``free`` rows (``--reserve-rows``
-        keeps some for the first level)."""
-        return free > self.config.reserve_rows or self.level.get(queue, 0) == 0
-
-    def _charge(self, job: Job, upto: int) -> None:
-        """Charge a job's queue share so that, in all, it was charged ``upto`` tokens:
-        its budget (``max_tokens`` per choice) while it holds a row, what it made once
-        it left one."""
-        if job.queue in self.level:
-            self.shares.charge(job.queue, upto - job.charged)
-        job.charged = upto
-
-    def _preempt(self, waiting: list[Job]) -> None:
-        """Pause rows of the lowest level running for jobs of strictly higher levels that
-        find no free row (:func:`mlxq.batching.levels.to_pause`)."""
-        by_level = Counter(self.level.get(j.queue, 0) for j in waiting)
-        lowest_waiting = min(by_level)
-        running = self.held.jobs(Status.RUNNING)
-        if not running or max(self.level.get(j.queue, 0) for j in running) <= lowest_waiting:
-            return
-        candidates = [
-            Running(j.id, self.level.get(j.queue, 0), j.started_mono, j.pauses)
-            for j in running
-            # Not before its first token: pausing a row in its prefill throws that away.
-            if j.id not in self.ends.fresh and j.generated > 0
-        ]
-        ending = sum(n <= PAUSE_WAIT_STEPS for n in self.engine.steps_left())
-        free = self.engine.free_slots + ending
-        if lowest_waiting > 0:
-            free -= self.config.reserve_rows
-        ids = set(to_pause(by_level, candidates, max(0, free), self.config.max_pauses))
-        jobs = [j for j in running if j.id in ids]
-        if not jobs:
-            return
-        self.engine.pause(jobs)
-        for job in jobs:
-            job.status = Status.PAUSED
-            job.pauses += 1
-            self._charge(job, job.generated)
-            log.info(
-                "job %s (queue %s) paused after %d token(s): a job of a higher level waits",
-                job.id,
-                job.queue,
-                job.generated,
-            )
 
     def _resume(self, jobs: list[Job]) -> None:
         try:
@@ -356,8 +250,7 @@ class DecodeLoop:
         if job is None or job.status is not Status.ENDING:
             return  # gone already, or claimed afresh after its hand-back committed
         self.held.settle(job_id)
-        if job.charged:
-            self._charge(job, job.generated)
+        self.schedule.left(job)
         self.outcomes[outcome] += 1
         self.metrics.settled(job, outcome)
         log_end(job.queue, job, outcome)

@@ -184,7 +184,7 @@ class Worker:
             window_sizes={str(k): v for k, v in sorted(self.loop.intake.window_sizes.items())},
             claim_calls=self.prefetch.claim_calls,
             jobs_claimed=self.prefetch.jobs_claimed,
-            admit_held_steps=self.loop.gather.held_steps,
+            admit_held_steps=self.loop.schedule.gather.held_steps,
             prefill_buckets=self.engine.prefill_buckets,
         )
 

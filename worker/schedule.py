@@ -1,0 +1,168 @@
+"""Which held jobs take the batch's free rows, and which running rows pause for them.
+
+Each decode turn the loop asks :meth:`Scheduler.choose`. A free row goes to the highest
+level with a job waiting; within a level, to the queue least served for its weight
+(:class:`mlxq.batching.levels.Shares`: deficit round robin in tokens, a row's budget
+``max_tokens`` charged when it is taken and trued up to what it made when it leaves);
+within a queue, paused jobs first, then admission's order (FIFO, grouped by sampling
+params: :func:`mlxq.batching.admission.admit`). A waiting job of a strictly higher level
+that finds no free row pauses the youngest row of the lowest level running
+(:func:`mlxq.batching.levels.to_pause`), unless enough rows end for sure within
+:data:`PAUSE_WAIT_STEPS`. A busy batch of one level lets its freed rows gather for one
+prefill (:class:`mlxq.batching.prefill.Gather`); a paused job, or a job of a higher level
+than the lowest running, never waits for that.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from mlxq.batching.admission import AdmissionPolicy, admit
+from mlxq.batching.levels import Running, Shares, to_pause
+from mlxq.batching.prefill import Gather
+from mlxq.worker.config import WorkerConfig
+from mlxq.worker.endings import Endings
+from mlxq.worker.engine import Engine
+from mlxq.worker.held import Held
+from mlxq.worker.jobs import Job, Status
+
+log = logging.getLogger("mlxq.worker")
+
+#: A waiting job of a higher level pauses no row while as many rows end for sure within
+#: this many decode steps (their ``max_tokens`` run out): a sweep of short jobs frees a row
+#: about every step, and a pause and its resume cost far more than a step or two of wait.
+PAUSE_WAIT_STEPS = 4
+
+
+class Scheduler:
+    """The decode thread's choice of jobs for free rows, and of rows to pause.
+
+    Args:
+        config: The worker's levels, batch size and pause settings.
+        engine: The model's batch (free rows, rows about to end; rows are paused here).
+        held: The jobs this worker holds.
+        ends: Where the jobs admitted since the last step are kept (none is paused).
+    """
+
+    def __init__(self, config: WorkerConfig, engine: Engine, held: Held, ends: Endings) -> None:
+        self.config, self.engine, self.held, self.ends = config, engine, held, ends
+        self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
+        self.gather = Gather(config.admit_hold_steps)
+        self.shares = Shares(config.levels)
+        self._level = {q: config.levels.level_of(q) for q in config.levels.queues}
+        self._levels = len(config.levels.levels)
+
+    def level(self, job: Job) -> int:
+        """A job's level, 0 the highest."""
+        return self._level.get(job.queue, 0)
+
+    def choose(self, step: int, closed: bool) -> tuple[list[Job], list[Job]]:
+        """The paused jobs to resume and the waiting jobs to start at decode step
+        ``step`` (``closed``, stopping or suspended: paused jobs only); rows of lower
+        levels may be paused first to make room."""
+        paused = self._paused()
+        buffered = [] if closed else self.held.jobs(Status.BUFFERED)
+        if not paused and not buffered:
+            return [], []
+        if self.config.preempt and self._levels > 1 and self._preempt(paused + buffered):
+            paused = self._paused()
+        free = min(self.engine.free_slots, self.config.max_batch)
+        if free <= 0:
+            return [], []
+        if not self._urgent(paused, buffered) and not self.gather.ready(
+            step, free, len(buffered), self.engine.steps_left
+        ):
+            return [], []  # a busy batch, letting jobs gather for one prefill
+        running = Counter(j.key for j in self.held.jobs(Status.RUNNING))
+        # Each queue's jobs in the order they take its rows: paused ones first (they
+        # started first), then admission's order (FIFO, grouped by sampling params).
+        order: dict[str, list[Job]] = {}
+        for job in paused:
+            order.setdefault(job.queue, []).append(job)
+        waiting: dict[str, list[Job]] = {}
+        for job in buffered:
+            waiting.setdefault(job.queue, []).append(job)
+        for q, jobs in waiting.items():
+            slots = min(len(jobs), free)
+            order.setdefault(q, []).extend(admit(jobs, running, slots, step, self.policy))
+        resume: list[Job] = []
+        chosen: list[Job] = []
+        while free > 0:
+            top = [q for q, jobs in order.items() if jobs and self._may_take(q, free)]
+            pick = self.shares.pick(top)
+            if pick is None:
+                break
+            job = order[pick].pop(0)
+            free -= 1
+            self._charge(job, job.request.max_tokens * job.request.n)
+            (resume if job.status is Status.PAUSED else chosen).append(job)
+        return resume, chosen
+
+    def left(self, job: Job) -> None:
+        """A job left this worker: its queue is charged what it made, not its budget."""
+        if job.charged:
+            self._charge(job, job.generated)
+
+    def _paused(self) -> list[Job]:
+        """The paused jobs, the first started first."""
+        return sorted(self.held.jobs(Status.PAUSED), key=lambda j: j.started_mono)
+
+    def _urgent(self, paused: list[Job], buffered: list[Job]) -> bool:
+        """Whether free rows take jobs now, gathering none (:class:`Gather`): a paused job
+        waits to go on, or a job waits of a higher level than the lowest running."""
+        if paused:
+            return True
+        running = self.held.jobs(Status.RUNNING)
+        if not running or self._levels == 1:
+            return False
+        lowest = max(self.level(j) for j in running)
+        return any(self.level(j) < lowest for j in buffered)
+
+    def _may_take(self, queue: str, free: int) -> bool:
+        """Whether a job of ``queue`` may take one of ``free`` rows (``--reserve-rows``
+        keeps some for the first level)."""
+        return free > self.config.reserve_rows or self._level.get(queue, 0) == 0
+
+    def _charge(self, job: Job, upto: int) -> None:
+        """Charge a job's queue share so that, in all, it was charged ``upto`` tokens:
+        its budget (``max_tokens`` per choice) while it holds a row, what it made once
+        it left one."""
+        if job.queue in self._level:
+            self.shares.charge(job.queue, upto - job.charged)
+        job.charged = upto
+
+    def _preempt(self, waiting: list[Job]) -> bool:
+        """Pause rows of the lowest level running for jobs of strictly higher levels that
+        find no free row; whether any was paused."""
+        by_level = Counter(self.level(j) for j in waiting)
+        lowest_waiting = min(by_level)
+        running = self.held.jobs(Status.RUNNING)
+        if not running or max(self.level(j) for j in running) <= lowest_waiting:
+            return False
+        candidates = [
+            Running(j.id, self.level(j), j.started_mono, j.pauses)
+            for j in running
+            # Not before its first token: pausing a row in its prefill throws that away.
+            if j.id not in self.ends.fresh and j.generated > 0
+        ]
+        ending = sum(n <= PAUSE_WAIT_STEPS for n in self.engine.steps_left())
+        free = self.engine.free_slots + ending
+        if lowest_waiting > 0:
+            free -= self.config.reserve_rows
+        ids = set(to_pause(by_level, candidates, max(0, free), self.config.max_pauses))
+        jobs = [j for j in running if j.id in ids]
+        if not jobs:
+            return False
+        self.engine.pause(jobs)
+        for job in jobs:
+            job.status = Status.PAUSED
+            job.pauses += 1
+            self._charge(job, job.generated)
+            log.info(
+                "job %s (queue %s) paused after %d token(s): a job of a higher level waits",
+                job.id,
+                job.queue,
+                job.generated,
+            )
+        return True
