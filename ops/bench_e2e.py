@@ -51,9 +51,9 @@ import redis
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
-from procs import start_redis, stop
+from procs import first_chunks_s, start_redis, stop
 
-from mlxq.producer import AsyncClient, AsyncJob, Client, Job, Result
+from mlxq.producer import AsyncClient, Client, Job, Result
 from mlxq.producer.info import collect
 from mlxq.worker.random_model import SHAPES, build_random_model
 
@@ -324,19 +324,7 @@ class Mlxq:
 
     async def burst_first_chunks_s(self, kws: list[dict[str, Any]]) -> list[float]:
         """Submit to each job's first streamed chunk, for jobs submitted together."""
-        ac = AsyncClient(self.url, self.queue)
-        t0 = time.perf_counter()
-
-        async def first(job: AsyncJob) -> float:
-            dt = None
-            async for _ in job.stream(timeout=WAIT_S):
-                dt = dt if dt is not None else time.perf_counter() - t0
-            return dt if dt is not None else float("nan")
-
-        try:
-            return list(await asyncio.gather(*map(first, await ac.submit_many(kws))))
-        finally:
-            await ac.aclose()
+        return await first_chunks_s(self.url, self.queue, kws, WAIT_S)
 
 
 def wait_results(jobs: Sequence[Job]) -> list[Result]:

@@ -48,13 +48,12 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import openai
 import redis
-from procs import free_port, stop, wait_for
+from procs import commit, free_port, stop, version, wait_for
 from procs import start_redis as start_private_redis
 from procs import start_worker as start_mlxq_worker
 from words import WORDS as ALL_WORDS
@@ -466,18 +465,6 @@ def table(points: Sequence[Point], max_tokens: int, batch: int) -> str:
 
 
 def environment() -> dict[str, Any]:
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent,
-    ).stdout.strip()
     redis_v = subprocess.run(
         [shutil.which("redis-server") or "redis-server", "--version"],
         capture_output=True,
@@ -489,7 +476,7 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "redis": next((w[2:] for w in redis_v if w.startswith("v=")), None),
-        "commit": commit or None,
+        "commit": commit(),
         **{p: version(p) for p in ("mlxq", "mlx", "mlx-lm", "openai", "uvicorn", "fastapi")},
         "openai_http": f"{http_module().__name__} {http_module().__version__}",
     }

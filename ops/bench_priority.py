@@ -57,13 +57,12 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from procs import MLXQ, free_port, start_redis, start_worker, stop
+from procs import MLXQ, commit, free_port, start_redis, start_worker, stop, version
 from prometheus_client.parser import text_string_to_metric_families
 from rq import Queue
 from words import WORDS
@@ -660,25 +659,13 @@ def table(phases: dict[str, Phase], args: argparse.Namespace) -> str:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent,
-    ).stdout.strip()
     return {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "device": device(),
-        "commit": commit or None,
+        "commit": commit(),
         "command": [sys.executable, *sys.argv],
         **{p: version(p) for p in ("mlxq", "mlx", "mlx-lm", "redis", "rq")},
     }

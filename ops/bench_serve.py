@@ -63,7 +63,7 @@ from bench_gateway import cpu_s, environment, oai_client, raise_fd_limit, run_st
 from procs import stop
 from words import WORDS as ALL_WORDS
 
-from mlxq.producer import AsyncClient, AsyncJob, Client
+from mlxq.producer import AsyncClient, Client
 from mlxq.producer.info import collect
 from mlxq.producer.keys import RQ_JOB
 from mlxq.worker.random_model import SHAPES
@@ -294,20 +294,8 @@ async def submit_each(url: str, queue: str, kws: list[dict[str, Any]]) -> tuple[
 
 async def python_burst(url: str, queue: str, texts: list[str], tokens: int) -> list[float]:
     """Submit (one call) to each job's first streamed chunk, for jobs submitted together."""
-    ac = AsyncClient(url, queue)
     kws = [dict(messages=chat(t), max_tokens=tokens, **GREEDY) for t in texts]
-    t0 = time.perf_counter()
-
-    async def first(job: AsyncJob) -> float:
-        dt = None
-        async for _ in job.stream(timeout=WAIT_S):
-            dt = dt if dt is not None else time.perf_counter() - t0
-        return dt if dt is not None else float("nan")
-
-    try:
-        return list(await asyncio.gather(*map(first, await ac.submit_many(kws))))
-    finally:
-        await ac.aclose()
+    return await procs.first_chunks_s(url, queue, kws, WAIT_S)
 
 
 async def serve_burst(base: str, queue: str, texts: list[str], tokens: int) -> list[float]:

@@ -6,6 +6,7 @@ Imported by the scripts beside it (``python ops/bench_e2e.py`` puts ``ops/`` on 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -13,13 +14,55 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import redis
 
+from mlxq.producer import AsyncClient, AsyncJob
 from mlxq.producer.info import collect
 
 MLXQ = Path(sys.executable).with_name("mlxq")
+
+
+def version(pkg: str) -> str | None:
+    """An installed package's version, or None."""
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def commit() -> str | None:
+    """This checkout's short commit, or None (no git here)."""
+    got = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent,
+    ).stdout.strip()
+    return got or None
+
+
+async def first_chunks_s(
+    url: str, queue: str, kws: list[dict[str, Any]], wait_s: float = 3600.0
+) -> list[float]:
+    """Submit ``kws`` in one call, then seconds from the submit to each job's first
+    streamed chunk (nan for a job that streamed none)."""
+    ac = AsyncClient(url, queue)
+    t0 = time.perf_counter()
+
+    async def first(job: AsyncJob) -> float:
+        dt = None
+        async for _ in job.stream(timeout=wait_s):
+            dt = dt if dt is not None else time.perf_counter() - t0
+        return dt if dt is not None else float("nan")
+
+    try:
+        return list(await asyncio.gather(*map(first, await ac.submit_many(kws))))
+    finally:
+        await ac.aclose()
 
 
 def free_port() -> int:
