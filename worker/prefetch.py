@@ -130,7 +130,6 @@ class Prefetcher(Helper):
         self.routing = routing
         self.router = Router(bridge)
         self.levels = levels or Levels.parse([bridge.queue_name])
-        self._level = {q: self.levels.level_of(q) for q in self.levels.queues}
         self.want = 0  # jobs the loop could use soon, beside those waiting for a row
         self._waiting: Mapping[str, int] = {}  # jobs the loop holds waiting, by queue
         self.failed = 0
@@ -162,10 +161,6 @@ class Prefetcher(Helper):
         levels' jobs leave, and a queue of a shared level only for its weight's share."""
         with self._cond:
             self.want, self._waiting = want, dict(waiting)
-
-    def level(self, queue: str) -> int:
-        """A queue's level (0 the highest); a queue this worker does not serve: the lowest."""
-        return self._level.get(queue, len(self.levels.levels) - 1)
 
     def take(self) -> list[Job]:
         """Everything ready, in claim order (called by the decode loop)."""
@@ -341,7 +336,7 @@ class Prefetcher(Helper):
             epoch=self.bridge.epoch,
             # A job whose record names a queue this worker does not serve (a rogue
             # origin on a handed job) is scheduled as its first queue's.
-            queue=c.queue if c.queue in self._level else self.bridge.queue_name,
+            queue=c.queue if c.queue in self.levels.queues else self.bridge.queue_name,
         )
 
     def _refused(self, job_id: str, c: Claimed) -> None:
