@@ -417,7 +417,16 @@ def test_a_worker_killed_mid_sweep(tmp_path, redis_server, queue_name, start_wor
     run = RunBatch(
         tmp_path, redis_server.url, inp, out, "--max-in-flight", "32", "--progress-every", "0.2"
     )
-    wait_until("16 output lines", lambda: lines_in(out) >= 16)
+    started = Queue(queue_name, connection=r, serializer=MsgpackSerializer).started_job_registry
+    running: list[str] = []
+    while not running:  # killed while it runs jobs, not between a batch's end and the next
+        wait_until(
+            "16 output lines and jobs running", lambda: lines_in(out) >= 16 and started.count
+        )
+        a.signal(signal.SIGSTOP)  # frozen: what it has started stays started
+        running = started.get_job_ids(cleanup=False)
+        if not running:
+            a.signal(signal.SIGCONT)
     a.signal(signal.SIGKILL)
     a.proc.wait(10)
     start_worker(max_batch=8)  # same host: it sees the dead pid and requeues its jobs
@@ -426,8 +435,14 @@ def test_a_worker_killed_mid_sweep(tmp_path, redis_server, queue_name, start_wor
     assert progress and int(progress[-1]) <= n, "plain progress lines when not a terminal"
     assert re.search(r"160 requests answered \(160 ok, 0 failed\).*\n.* tok/s", run.stderr())
     got = assert_once_each(out, {f"r{i}" for i in range(n)})
-    attempts = [int(r.hget(f"rq:job:{x['response']['request_id']}", "mlxq_attempt")) for x in got]
-    assert max(attempts) == 2, "the dead worker's jobs ran again"
+    attempts = {
+        x["response"]["request_id"]: int(
+            r.hget(f"rq:job:{x['response']['request_id']}", "mlxq_attempt")
+        )
+        for x in got
+    }
+    assert {attempts[i] for i in running} == {2}, "the dead worker's running jobs ran again"
+    assert max(attempts.values()) == 2
     assert registry_counts(r, queue_name) == (n, 0)
 
 
