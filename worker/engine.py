@@ -23,6 +23,7 @@ from mlxq.batching.stops import StopMatcher
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.config import WorkerConfig
+from mlxq.worker.detok import Detokenizer, special_ids
 from mlxq.worker.generator import Generator, StepCounters
 from mlxq.worker.jobs import Job
 from mlxq.worker.logprob_entries import LogprobEntries
@@ -98,6 +99,7 @@ class Engine:
         self.max_context = _context_length(model)
         self.vocab_size = _vocab_size(model, tokenizer)
         self._eos = frozenset(tokenizer.eos_token_ids)
+        self._special = special_ids(tokenizer)
         self._kw = dict(
             completion_batch_size=max_batch,
             prefill_batch_size=max_batch,
@@ -188,7 +190,10 @@ class Engine:
             )
             ids = tok.encode(text, add_special_tokens=False)
         else:
-            ids = tok.encode(req.prompt)
+            # A prompt that already starts with the BOS text gets no second BOS, as
+            # mlx_lm.generate does it.
+            prompt, bos = req.prompt or "", tok.bos_token
+            ids = tok.encode(prompt, add_special_tokens=not bos or not prompt.startswith(bos))
         if not ids:
             raise PayloadError("prompt: tokenizes to nothing")
         if self.max_context and len(ids) + req.max_tokens > self.max_context:
@@ -232,7 +237,7 @@ class Engine:
             stop_sequences=[StopSequences([[t] for t in sorted(s)]) for s in stops],
         )
         for uid, (job, i), stop in zip(uids, rows, stops, strict=True):
-            detok = self.tokenizer.detokenizer  # mlx-lm makes a fresh copy per access
+            detok = Detokenizer(self.tokenizer, self._special)
             self._join(Row(uid, job, i, detok, StopMatcher(job.request.stop), stop))
         self.counters.prompt_tokens += sum(len(job.prompt_ids) for job, _ in rows)
 

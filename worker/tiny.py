@@ -225,3 +225,78 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     config = model_config(tokenizer)
     write_checkpoint(out, init_weights(config, seed), tokenizer, config)
     return out
+
+
+def build_tiny_model_with_tokenizer(
+    out_dir: str | Path,
+    tokenizer_dir: str | Path,
+    *,
+    seed: int = 0,
+    eos_ids: list[int] | None = None,
+) -> Path:
+    """Write a tiny random-weight Llama checkpoint around a real model's tokenizer.
+
+    The weights are random, but the tokenizer, its chat template, BOS handling and
+    end-of-sequence ids are that model's, so what a worker does with text (prompt token
+    counts, the text of a completion, stop strings, multi-byte characters) can be checked
+    against the tokenizer itself without downloading any weights.
+
+    Args:
+        out_dir: Directory to write into; created (with parents) if missing.
+        tokenizer_dir: Holds the model's ``tokenizer.json`` and ``tokenizer_config.json``
+            (and its ``generation_config.json``, if there is one, for the EOS ids).
+        seed: As for :func:`build_tiny_model`.
+        eos_ids: The model's end-of-sequence ids (``generation_config.json``'s
+            ``eos_token_id``); default: that file's, else the tokenizer's ``eos_token``.
+
+    Returns:
+        The output directory as a ``Path``.
+
+    Raises:
+        ValueError: A tokenizer file is missing or names no token the vocabulary has.
+    """
+    src = Path(tokenizer_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (src / name).is_file():
+            raise ValueError(f"tokenizer_dir: {src} has no {name}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok_config = json.loads((src / "tokenizer_config.json").read_text("utf-8"))
+
+    def token_id(field: str) -> int | None:
+        tok = tok_config.get(field)
+        text = tok.get("content") if isinstance(tok, dict) else tok
+        if text is None:
+            return None
+        i = tokenizer.token_to_id(text)
+        if i is None:
+            raise ValueError(f"tokenizer_config.json: {field}={text!r} is not in the vocabulary")
+        return int(i)
+
+    if eos_ids is None:
+        gen = src / "generation_config.json"
+        found = json.loads(gen.read_text("utf-8")).get("eos_token_id") if gen.is_file() else None
+        eos_ids = [found] if isinstance(found, int) else found or []
+        eos_ids = eos_ids or [i for i in [token_id("eos_token")] if i is not None]
+    config = model_config(tokenizer)
+    bos = token_id("bos_token")
+    config.update(bos_token_id=bos, eos_token_id=list(eos_ids), pad_token_id=token_id("pad_token"))
+    weights = init_weights(config, seed)
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        {name: weights[name] for name in sorted(weights)},
+        metadata={"format": "mlx"},
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": bos,
+            "eos_token_id": list(eos_ids),
+            "pad_token_id": config["pad_token_id"],
+        },
+    )
+    return out
