@@ -1,11 +1,13 @@
 """`make demo`: a Redis, the tiny model, one worker, a few jobs streamed live, a summary.
 
-Uses the Redis at $MLXQ_REDIS_URL (default redis://localhost:6379/0) when one
-answers, else starts a private redis-server; stops everything it started.
+Starts a private redis-server on a free port, so a Redis already on :6379 is never
+written to; `--redis-url URL` or $MLXQ_REDIS_URL uses that Redis instead. Stops
+everything it started.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -19,8 +21,10 @@ from pathlib import Path
 
 import msgpack
 import redis
+from rich.cells import cell_len
 
 from mlxq.producer import Client, Job
+from mlxq.producer.terminal import for_terminal
 
 QUEUE = "mlxq-demo"
 JOBS = [
@@ -50,20 +54,25 @@ JOBS = [
 ]
 
 
-def find_redis(url: str, workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
-    url_asked = url
+def given_redis(url: str) -> str:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-        print(f"using the Redis at {url}")
-        return url, None
-    except redis.RedisError:
-        pass
+    except redis.RedisError as e:
+        sys.exit(
+            f"no Redis answers at {url} ({e}); leave out --redis-url and MLXQ_REDIS_URL "
+            "for a private one"
+        )
+    print(f"using the Redis at {url}")
+    return url
+
+
+def private_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes]]:
     exe = shutil.which("redis-server")
     if exe is None:
         sys.exit(
-            f"no Redis answers at {url} and redis-server is not installed.\n"
-            "Install Redis 7 (Debian/Ubuntu: sudo apt-get install redis-server; "
-            "macOS: brew install redis), or point MLXQ_REDIS_URL at one."
+            "redis-server is not installed: install Redis 7 (Debian/Ubuntu: sudo apt-get "
+            "install redis-server; macOS: brew install redis), or give a Redis with "
+            "--redis-url or MLXQ_REDIS_URL."
         )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,7 +101,7 @@ def find_redis(url: str, workdir: Path) -> tuple[str, subprocess.Popen[bytes] | 
             break
         except redis.ConnectionError:
             time.sleep(0.025)
-    print(f"no Redis answers at {url_asked}: started a private redis-server on port {port}")
+    print(f"started a private redis-server on port {port}")
     return url, proc
 
 
@@ -118,9 +127,24 @@ class Board:
             width = shutil.get_terminal_size().columns - 24
             sys.stdout.write(f"\x1b[{len(self.labels)}F")
             for label, t, d in zip(self.labels, self.texts, self.done, strict=True):
-                line = (t.replace("\n", " ") + d)[-width:]
+                line = last_cells(one_line(t) + d, width)
                 sys.stdout.write(f"\x1b[2K{label:>20} | {line}\n")
             sys.stdout.flush()
+
+
+def one_line(text: str) -> str:
+    """A model's text for one row of the board: newlines as spaces, control characters
+    (which would move the cursor) as U+FFFD, tabs expanded."""
+    return for_terminal(text.replace("\n", " "), 0)
+
+
+def last_cells(text: str, width: int) -> str:
+    """The end of ``text`` that fits ``width`` terminal cells (a wide character is two)."""
+    n, i = 0, len(text)
+    while i > 0 and n + cell_len(text[i - 1]) <= width:
+        i -= 1
+        n += cell_len(text[i])
+    return text[i:]
 
 
 def follow(job: Job, i: int, board: Board, totals: list[int]) -> None:
@@ -140,8 +164,19 @@ def worker_stats(r: redis.Redis) -> dict[str, object]:
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("MLXQ_REDIS_URL") or None,
+        help="use this Redis (default: $MLXQ_REDIS_URL, else a private redis-server)",
+    )
+    args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mlxq-demo-"))
-    url, redis_proc = find_redis(os.environ.get("MLXQ_REDIS_URL", "redis://localhost:6379/0"), work)
+    redis_proc = None
+    if args.redis_url:
+        url = given_redis(args.redis_url)
+    else:
+        url, redis_proc = private_redis(work)
     worker = None
     try:
         model = work / "tiny"

@@ -4,6 +4,7 @@ signals, a Redis outage in the log, the service units, one-line errors, help tex
 from __future__ import annotations
 
 import argparse
+import os
 import plistlib
 import re
 import shlex
@@ -289,3 +290,35 @@ def test_help_version_and_defaults():
         assert out.returncode == 0 and "hush-hush" not in out.stdout
         if cmd == "worker":
             assert "continuous" in out.stdout and "--metrics-port" in out.stdout
+
+
+def test_demo_starts_its_own_redis_and_draws_one_row_a_job(tmp_path):
+    """`make demo` writes into no Redis it was not given, and its live board keeps one row
+    per job however the model's text (control characters, wide characters) comes out."""
+    sys.path.insert(0, str(OPS))
+    try:
+        from demo import JOBS, last_cells, one_line
+    finally:
+        sys.path.remove(str(OPS))
+    assert one_line("a\x0bb\x14c\nd\te") == "a\ufffdb\ufffdc d e"  # the tab to column 8
+    assert last_cells("xx你好", 4) == "你好" and last_cells("xx你好", 5) == "x你好"
+
+    env = env_for(None, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env["COLUMNS"] = "80"  # the board is as wide as the terminal
+    term = Terminal([sys.executable, str(OPS / "demo.py")], env, cols=80, rows=40)
+    shown = term.finish(timeout=180)
+    assert term.proc.returncode == 0, "\n".join(shown)
+    assert any("started a private redis-server" in row for row in shown), shown
+    board = [row for row in shown if " | " in row]
+    for label, _ in JOBS:
+        assert sum(row.startswith(f"{label:>20} | ") for row in board) == 1, shown
+    assert len(board) == len(JOBS), shown
+
+    given = subprocess.run(
+        [sys.executable, str(OPS / "demo.py"), "--redis-url", "redis://127.0.0.1:1/0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert given.returncode != 0 and "no Redis answers at redis://127.0.0.1:1/0" in given.stderr
