@@ -65,3 +65,28 @@ def job_status(raw: Any) -> str | None:
         return None
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
     return STATUS_OF_RQ.get(text, "queued")
+
+
+class Failure:
+    """What a failed job's reason means to an HTTP client: the status, OpenAI's error
+    ``type`` and ``code`` that the gateway answers and run-batch writes.
+
+    Input the model cannot take is the request's fault (400: a retry gets the same
+    answer, so clients must not retry it), a deadline is a timeout (504), anything else
+    is the server's (500). Read from the reason's prefix, which the worker writes
+    (``invalid job: ...``, ``timeout: ...``, ``ttl expired: ...``).
+    """
+
+    __slots__ = ("code", "status", "type")
+
+    def __init__(self, reason: str) -> None:
+        if reason.startswith("invalid job: "):
+            self.status, self.type = 400, "invalid_request_error"
+            context = "the model's context" in reason or "this model's context" in reason
+            self.code = "context_length_exceeded" if context else "invalid_request_error"
+        elif reason.startswith(("timeout", "ttl expired")):
+            self.status, self.type, self.code = 504, "timeout_error", "timeout"
+        elif reason == "canceled":
+            self.status, self.type, self.code = 500, "server_error", "job_canceled"
+        else:
+            self.status, self.type, self.code = 500, "server_error", "job_failed"

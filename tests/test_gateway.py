@@ -554,7 +554,7 @@ def strict_model(tiny_model: Path, tmp_path: Path) -> Path:
     return strict
 
 
-def test_full_queue_is_429_and_failed_jobs_are_504(
+def test_full_queue_is_429_and_failed_jobs_are_answered_by_cause(
     start_worker, start_gateway, strict_model, queue_name, redis_server
 ):
     start_worker(model=strict_model, max_batch=1, window_ms=0)
@@ -563,15 +563,18 @@ def test_full_queue_is_429_and_failed_jobs_are_504(
     client = Client(redis_server.url, queue=queue_name)
     bad = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]
 
-    with pytest.raises(openai.InternalServerError) as e:
+    # Input the model cannot take is the request's fault: 400, which clients do not retry.
+    with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=queue_name, messages=bad, max_tokens=4)
-    assert e.value.status_code == 504 and "tool turns are not supported" in e.value.message
+    assert e.value.status_code == 400 and "tool turns are not supported" in e.value.message
+    assert e.value.code == "invalid_request_error"
     with pytest.raises(openai.APIError) as e:
         for _ in oai.chat.completions.create(
             model=queue_name, messages=bad, max_tokens=4, stream=True
         ):
             pass
-    assert e.value.code == "504" and "tool turns are not supported" in e.value.message
+    assert e.value.code == "invalid_request_error"
+    assert "tool turns are not supported" in e.value.message
 
     # The worker decodes one job at a time and keeps one batch (one job) in reserve, so
     # while a long one runs, of four more at least two wait in the queue: at the cap of two.
@@ -595,10 +598,30 @@ def test_full_queue_is_429_and_failed_jobs_are_504(
     with pytest.raises(openai.APIError) as e:
         for _ in stream:
             pass
-    assert e.value.code == "504" and "canceled" in e.value.message
+    assert e.value.code == "job_canceled" and "canceled" in e.value.message
 
 
 # -- clients that go away -----------------------------------------------------------------------
+
+
+def test_a_prompt_over_the_context_is_400_and_not_retried(gw, queue, r):
+    """The official client retries 5xx: one request over the model's context must make one
+    job, answered 400 ``context_length_exceeded``, streamed or not."""
+    retrying = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=2, timeout=60)
+    failed = Queue(queue, connection=r).failed_job_registry
+    before = failed.count
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 400  # ~2,000+ tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        retrying.completions.create(model=queue, prompt=long_prompt, max_tokens=200)
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+    assert "context" in e.value.message
+    with pytest.raises(openai.APIError) as e:
+        for _ in retrying.completions.create(
+            model=queue, prompt=long_prompt, max_tokens=200, stream=True
+        ):
+            pass
+    assert e.value.code == "context_length_exceeded"
+    assert failed.count == before + 2, "one job per request: the 400 was not retried"
 
 
 def test_disconnect_mid_stream_cancels_the_job(oai, mlxq, queue):
@@ -644,7 +667,7 @@ def test_worker_lost_mid_stream_ends_the_stream_and_cancels_the_rerun(
     with pytest.raises(openai.APIError) as e:
         for _ in chunks:
             pass
-    assert e.value.code == "504" and "restarted" in e.value.message
+    assert e.value.code == "job_restarted" and "restarted" in e.value.message
     assert _wait_terminal(Client(redis_server.url, queue=queue_name), job_id) == "canceled"
     # rq still lists the killed worker; its lapsed lease keeps it out of the models.
     deadline = time.monotonic() + 30

@@ -205,7 +205,13 @@ def test_records_read_back_as_what_they_are():
     ok = {"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 200}, "error": None}
     assert answered_id(ok) == "a" and reported_line(ok) is None
     bad = failure("b", "j1", "timeout: ran 5.0 s")
-    assert bad["response"]["status_code"] == 504 and bad["error"]["code"] == "job_failed"
+    assert bad["response"]["status_code"] == 504 and bad["error"]["code"] == "timeout"
+    too_long = failure("d", "j3", "invalid job: prompt: 9000 tokens + max_tokens=16 exceed x")
+    assert too_long["error"]["code"] == "invalid_request_error"
+    too_long = failure("d", "j3", "invalid job: prompt: 9 tokens exceed the model's context of 8")
+    assert too_long["response"]["status_code"] == 400
+    assert too_long["error"]["code"] == "context_length_exceeded"
+    assert failure("e", "j4", "worker error: boom")["response"]["status_code"] == 500
     assert answered_id(bad) == "b"
     assert failure("c", "j2", "canceled")["error"]["code"] == "job_canceled"
     err = line_error(LineError(7, None, "invalid_json_line", "not JSON"))
@@ -311,7 +317,8 @@ def test_a_mixed_file(tmp_path, redis_server, queue_name, start_worker):
     valid.add("wants-logprobs")
     got = assert_once_each(out, valid, failed=frozenset({"too-long"}))
     (bad,) = [rec for rec in answers(out) if rec["custom_id"] == "too-long"]
-    assert bad["response"]["status_code"] == 500 and bad["error"]["code"] == "job_failed"
+    assert bad["response"]["status_code"] == 400, bad  # the line's fault, as the gateway says
+    assert bad["error"]["code"] == "context_length_exceeded", bad["error"]
     assert "prompt" in bad["error"]["message"], bad["error"]
     assert bad["response"]["body"]["error"]["message"] == bad["error"]["message"]
     by_id = {rec["custom_id"]: rec for rec in got}

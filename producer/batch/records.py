@@ -5,8 +5,11 @@ An answered request (the worker ran it, well or not)::
     {"id": "batch_req_<job id>", "custom_id": ..., "error": null,
      "response": {"status_code": 200, "request_id": <job id>, "body": <completion>}}
 
-A job that failed in the worker has ``status_code`` 500 (504 past its deadline), OpenAI's
-error object as its body and ``"error": {"code", "message"}``. A line that could not run
+A job that failed in the worker has the ``status_code`` that ``mlxq serve`` would answer
+(400 for input the model cannot take, code ``context_length_exceeded`` or
+``invalid_request_error``; 504 past its deadline, code ``timeout``; 500 otherwise: see
+:class:`~mlxq.producer.outcome.Failure`), OpenAI's error object as its body and
+``"error": {"code", "message"}``. A line that could not run
 has ``"response": null`` and ``"error"`` in OpenAI's ``BatchError`` shape, with ``line``.
 """
 
@@ -18,9 +21,7 @@ from typing import Any
 
 from mlxq.producer.batch.lines import LineError
 from mlxq.producer.openai_api import error_body
-
-#: Failure reasons the worker gives when a job ran past its deadline (see Client.submit).
-DEADLINE_REASONS = ("timeout", "ttl expired")
+from mlxq.producer.outcome import Failure
 
 
 def answer(custom_id: str, job_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -35,18 +36,17 @@ def answer(custom_id: str, job_id: str, body: Mapping[str, Any]) -> dict[str, An
 
 def failure(custom_id: str, job_id: str, reason: str) -> dict[str, Any]:
     """The output line of a request whose job failed (or was canceled) in the worker."""
-    status = 504 if reason.startswith(DEADLINE_REASONS) else 500
-    code = "job_canceled" if reason == "canceled" else "job_failed"
+    kind = Failure(reason)
     message = f"job {job_id} failed: {reason}"
     return {
         "id": f"batch_req_{job_id}",
         "custom_id": custom_id,
         "response": {
-            "status_code": status,
+            "status_code": kind.status,
             "request_id": job_id,
-            "body": error_body(message, "server_error", None, code),
+            "body": error_body(message, kind.type, None, kind.code),
         },
-        "error": {"code": code, "message": message},
+        "error": {"code": kind.code, "message": message},
     }
 
 

@@ -5,8 +5,11 @@
 the tier it was served at: the mapped tier, else ``default`` (``auto`` resolves to it, as
 OpenAI's does). A completion is one job; streamed, its chunks are relayed as
 server-sent events as the worker makes them. A client that goes away cancels its job,
-streamed or not. Mid-stream failures end the stream with an error event (``code`` "504")
-and ``data: [DONE]``, since the 200 status has been sent. A worker lost mid-job makes
+streamed or not. A failed job answers by its cause (:class:`~mlxq.producer.outcome.Failure`):
+400 for input the model cannot take (``context_length_exceeded``, ``invalid_request_error``:
+clients do not retry those), 504 past its deadline, 500 for anything else. Mid-stream
+failures end the stream with an error event of the same code and ``data: [DONE]``, since
+the 200 status has been sent. A worker lost mid-job makes
 mlxq run the job again from the start; text already streamed cannot be taken back, so
 the stream ends with such an error event then and the job is canceled (the client may
 retry); a non-streamed request just waits for the new attempt's result.
@@ -40,6 +43,7 @@ from mlxq.producer.openai_api import (
     parse_request,
     sse,
 )
+from mlxq.producer.outcome import Failure
 
 #: Largest request body read; mlxq's own prompt cap is a million characters.
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -150,7 +154,7 @@ async def _result_unless_gone(request: Request, gw: Gateway, job: AsyncJob) -> R
     """The job's result, or None (the job canceled) when the client left first.
 
     Raises:
-        APIError: 504 when the job failed.
+        APIError: the job failed: its status and code by cause (``Failure``).
     """
     result = asyncio.ensure_future(job.result())
     gone = asyncio.ensure_future(_until_disconnect(request))
@@ -167,11 +171,13 @@ async def _result_unless_gone(request: Request, gw: Gateway, job: AsyncJob) -> R
     try:
         return result.result()
     except JobFailed as e:
-        raise APIError(504, str(e), "server_error", code="job_failed") from None
+        kind = Failure(e.reason)
+        raise APIError(kind.status, str(e), kind.type, code=kind.code) from None
 
 
-def _stream_error(message: str) -> str:
-    return sse(error_body(message, "server_error", None, "504"))
+def _stream_error(message: str, reason: str = "", code: str | None = None) -> str:
+    kind = Failure(reason)
+    return sse(error_body(message, kind.type, None, code or kind.code))
 
 
 async def _events(
@@ -189,12 +195,13 @@ async def _events(
                 cut = "restarted"
                 yield _stream_error(
                     f"job {job.id} was restarted after its worker was lost; "
-                    "the text streamed so far is void: retry the request"
+                    "the text streamed so far is void: retry the request",
+                    code="job_restarted",
                 )
                 break
             if c.final and c.finish_reason not in ("stop", "length"):
                 ended = True
-                yield _stream_error(f"job {job.id} ended: {c.finish_reason}")
+                yield _stream_error(f"job {job.id} ended: {c.finish_reason}", str(c.finish_reason))
                 break
             if first and c.text:
                 first = False
@@ -209,7 +216,7 @@ async def _events(
                     yield sse(obj)
     except JobFailed as e:
         ended = True
-        yield _stream_error(str(e))
+        yield _stream_error(str(e), e.reason)
     finally:
         gw.metrics.streams.dec()
         if not ended:
