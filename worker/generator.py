@@ -355,6 +355,39 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         )
         self._generation_batch.keep_caches = keep_caches
 
+    def _next(self) -> Any:
+        prompt_responses, generation_responses = super()._next()
+        self._start_ready(prompt_responses)
+        return prompt_responses, generation_responses
+
+    def _start_ready(self, responses: list[Any]) -> None:
+        """Rows whose prefill this call finished start decoding in this call.
+
+        mlx-lm moves a row from its prefill to the generation batch at the start of the
+        call after its prefill, behind that call's decode step; the first token then comes
+        out of the decode step after that one. Moving it here, as soon as only its last
+        prompt token is left, runs that token's pass (which samples the first token) now:
+        beside a busy batch a new row's first token comes one decode step of the whole
+        batch sooner, and the tokens are the same.
+        """
+        if len(self._generation_batch) >= self.completion_batch_size:
+            return  # as mlx-lm: no new rows while the batch is full
+        ready = [
+            i
+            for i, (segments, _, _) in enumerate(self._currently_processing)
+            if len(segments) == 1 and len(segments[0]) == 1
+        ]
+        if not ready:
+            return
+        starting = [self._currently_processing[i] for i in ready]
+        self._currently_processing = [
+            seq for i, seq in enumerate(self._currently_processing) if i not in set(ready)
+        ]
+        batch = self._prompt_batch.split(ready).generate([seq[0][0] for seq in starting])
+        for uid, (_, _, total) in zip(batch.uids, starting, strict=True):
+            responses.append(PromptProcessingBatch.Response(uid, (total, total), True, True))
+        self._generation_batch.extend(batch)
+
     def _blank(self, n: int) -> list[Any]:
         caches = [make_prompt_cache(self.model, self.max_kv_size) for _ in range(n)]
         return cast(list[Any], _merge_caches(caches))
