@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rich.console import Group, RenderableType
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rq import Queue, Worker
 
@@ -176,36 +177,99 @@ def _worker_row(w: dict[str, Any], now: float, paused: bool) -> list[str]:
     ]
 
 
+#: Narrower than this, the workers table leaves out its least needed columns (they stay
+#: in ``--json``), so that names and levels keep room enough to be read.
+NARROW = 110
+_DETAIL = ("vectorized", "tokens", "uptime")
+_NAMES = ("worker", "queue", "model")
+_MIN_NAME = 8
+
+
 def render(doc: dict[str, Any]) -> RenderableType:
     """:func:`collect`'s document as two tables (queues, workers), for a rich Console.
 
     A worker's queues show in order, by level (:func:`levels_text`); the column of paused
     rows shows only where some worker serves several queues (only there can rows pause).
+    The tables fit the console's width: names and levels give way first, cut with an
+    ellipsis (never folded mid-word into another row), and below :data:`NARROW` columns
+    the details columns are left out.
     """
+    return _InfoView(doc)
+
+
+class _InfoView:
+    """Builds the tables when printed, when the width they must fit is known."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        yield Group(_queues_table(self.doc, width), _workers_table(self.doc, width))
+
+
+def _queues_table(doc: dict[str, Any], width: int) -> Table:
     qt = Table(title="queues", title_justify="left", expand=False)
-    for col in ("queue", "queued", "started", "finished", "failed", "canceled", "workers"):
-        qt.add_column(col, justify="left" if col == "queue" else "right", overflow="fold")
     serving: dict[str, int] = {}
     for w in doc["workers"]:
         for q in str(w["queue"]).split(","):
             serving[q] = serving.get(q, 0) + bool(w.get("alive"))
-    for name, c in doc["queues"].items():
-        qt.add_row(
-            name,
-            *(str(c[k]) for k in ("queued", "started", "finished", "failed", "canceled")),
-            str(serving.get(name, 0)),
-        )
+    counts = ("queued", "started", "finished", "failed", "canceled")
+    rows = [
+        [name, *(str(c[k]) for k in counts), str(serving.get(name, 0))]
+        for name, c in doc["queues"].items()
+    ]
+    cols = ("queue", *counts, "workers")
+    natural = [max([len(col), *(cell_len(r[i]) for r in rows)]) for i, col in enumerate(cols)]
+    room = width - 1 - sum(n + 3 for n in natural[1:]) - 3
+    for i, col in enumerate(cols):
+        if i == 0:  # a long name is cut with an ellipsis (whole in --json)
+            qt.add_column(
+                col, overflow="ellipsis", no_wrap=True, max_width=_share(room, natural[:1])[0]
+            )
+        else:
+            qt.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        qt.add_row(*r)
+    return qt
+
+
+def _workers_table(doc: dict[str, Any], width: int) -> Table:
     paused = any(_serves_levels(w) for w in doc["workers"])
     wt = Table(title=f"workers ({len(doc['workers'])})", title_justify="left", expand=False)
-    for col in ("worker", "queue", "model", "state", "batch"):
-        wt.add_column(col, overflow="fold")
-    if paused:
-        wt.add_column("paused", justify="right")
-    wt.add_column("tok/s 1m", overflow="fold", justify="right")
-    wt.add_column("vectorized", overflow="fold")
-    wt.add_column("tokens", justify="right")
-    wt.add_column("uptime", justify="right")
     now = time.time()
-    for w in doc["workers"]:
-        wt.add_row(*_worker_row(w, now, paused))
-    return Group(qt, wt)
+    rows = [_worker_row(w, now, paused) for w in doc["workers"]]
+    cols = ["worker", "queue", "model", "state", "batch", *(["paused"] if paused else [])]
+    cols += ["tok/s 1m", *_DETAIL]
+    shown = [i for i, c in enumerate(cols) if width >= NARROW or c not in _DETAIL]
+    natural = {i: max([len(cols[i]), *(cell_len(r[i]) for r in rows)]) for i in shown}
+    names = [i for i in shown if cols[i] in _NAMES]
+    # Each column costs its text, a space either side and a rule; the names share what
+    # the short columns leave, each at least _MIN_NAME and at most what it needs.
+    room = width - 1 - sum(natural[i] + 3 for i in shown if i not in names) - 3 * len(names)
+    fit = _share(room, [natural[i] for i in names])
+    for i in shown:
+        col = cols[i]
+        if i in names:  # cut with an ellipsis (whole in --json), never folded mid-word
+            wt.add_column(col, overflow="ellipsis", no_wrap=True, max_width=fit[names.index(i)])
+        else:
+            right = col not in ("state", "batch")
+            wt.add_column(col, justify="right" if right else "left", no_wrap=True)
+    for r in rows:
+        wt.add_row(*(r[i] for i in shown))
+    return wt
+
+
+def _share(room: int, wants: list[int]) -> list[int]:
+    """Split ``room`` cells among columns that want ``wants``: none below ``_MIN_NAME``
+    (or what it wants, if less), none above what it wants, the rest evenly."""
+    fit = [min(w, _MIN_NAME) for w in wants]
+    left = room - sum(fit)
+    while left > 0 and any(f < w for f, w in zip(fit, wants, strict=True)):
+        grow = [k for k, (f, w) in enumerate(zip(fit, wants, strict=True)) if f < w]
+        step = max(1, left // len(grow))
+        for k in grow:
+            add = min(step, wants[k] - fit[k], left)
+            fit[k] += add
+            left -= add
+    return fit

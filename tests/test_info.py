@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 from opshelp import mlxq, wait_for
+from rich.cells import cell_len
 from rich.console import Console
 
 from mlxq.producer import Client
@@ -179,3 +180,35 @@ def test_info_of_a_worker_with_levels_and_a_paused_row(redis_server, start_worke
     finally:
         for job in [*reversed(highs), low]:
             job.cancel()
+
+
+def test_at_80_columns_each_row_stays_one_line_and_long_names_are_cut_whole():
+    counts = dict(queued=123456, started=64, finished=9999999, failed=12, canceled=3)
+    doc = {
+        "queues": {"chat": counts, "sweeps-nightly-with-a-rather-long-name": counts},
+        "workers": [
+            _worker(
+                "worker-gpu-node-17-8f3a2b1c",
+                queue="chat,team-a,team-b,sweeps",
+                levels=LEVELS,
+                model="/models/mlx-community/Qwen2.5-0.5B-Instruct-4bit",
+                paused=2,
+                running=31,
+                max_batch=64,
+                tokens_generated=123456789,
+            ),
+            _worker("w2", alive=False),
+        ],
+    }
+    out = io.StringIO()
+    Console(width=80, file=out).print(render(doc))
+    lines = out.getvalue().splitlines()
+    assert max(cell_len(line) for line in lines) <= 80, out.getvalue()
+    body = [line for line in lines if line.startswith("│")]
+    assert len(body) == 4, out.getvalue()  # two queues, two workers: a line each
+    assert any("worker-" in line and "…" in line for line in body)
+    assert any(line.startswith("│ w2 ") and "(no lease)" in line for line in body)
+    # Wide enough, everything shows whole.
+    wide = _text(doc)
+    assert "worker-gpu-node-17-8f3a2b1c" in wide and "chat > team-a:3,team-b:1 > sweeps" in wide
+    assert "sweeps-nightly-with-a-rather-long-name" in wide and "123456789" in wide
