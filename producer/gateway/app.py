@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import redis
@@ -18,6 +19,7 @@ from mlxq.producer.gateway.config import GatewayConfig
 from mlxq.producer.gateway.errors import APIError, api_error_handler, http_error_handler
 from mlxq.producer.gateway.metrics import MetricsMiddleware
 from mlxq.producer.gateway.state import Gateway
+from mlxq.producer.throttle import cut
 
 
 async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
@@ -34,6 +36,25 @@ async def _internal(request: Request, exc: Exception) -> JSONResponse:
     return APIError(500, f"internal error: {type(exc).__name__}").response()
 
 
+#: Longest text a uvicorn log line quotes from a request (its method, its path).
+MAX_LOGGED_CHARS = 200
+
+
+class _CutArgs(logging.Filter):
+    """Cuts what uvicorn's lines quote from a request: a client chooses it (a 15 KB
+    method name, a 64 KB path), and the log is no place to grow without bound."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                cut(a, MAX_LOGGED_CHARS) if isinstance(a, str) else a for a in record.args
+            )
+        return True
+
+
+_CUT_ARGS = _CutArgs()
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway app; run it with uvicorn (``mlxq serve`` does).
 
@@ -44,6 +65,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Here, not sooner: uvicorn configures its loggers after the app is made.
+        for name in ("uvicorn.access", "uvicorn.error"):
+            logging.getLogger(name).addFilter(_CUT_ARGS)  # once, however many apps
         sampler = asyncio.create_task(gw.sample_forever())
         try:
             yield
