@@ -122,8 +122,7 @@ def _read_stats(
             if raw is not None:
                 stats = decode_stats(raw)
         except ValueError as e:
-            shown = shared.shown(name)
-            warn(f"skipped the stats of worker {shown} ({keys.worker_stats_key(name)}): {e}")
+            warn(f"skipped the stats of worker {name} ({keys.worker_stats_key(name)}): {e}")
         out.append((stats, not isinstance(alive, Exception) and bool(alive)))
     return out
 

@@ -800,7 +800,7 @@ def test_one_bad_entry_in_shared_state_is_skipped_and_the_rest_answered(
             *(f"queue 'bad-{s}-{tag}'" for s in planted["queues"]),
             keys.rq_worker_key(w["wrongtype"]),
             "birth=b'not a date'",
-            *(f"stats of worker '{w[k]}'" for k in ("nan", "inf", "shape", "born")),
+            *(f"stats of worker {w[k]} " for k in ("nan", "inf", "shape", "born")),
             f"garbage-{tag}",
             f"junk-{tag}",
         ):
