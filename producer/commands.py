@@ -27,6 +27,7 @@ from mlxq.producer.info import collect, duration, render
 from mlxq.producer.job import Job, cancel_job
 from mlxq.producer.params import GenerationRequest
 from mlxq.producer.terminal import StreamPrinter
+from mlxq.producer.throttle import Throttle
 
 
 def _wait_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -284,12 +285,11 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 def run_info(args: argparse.Namespace) -> int:
     conn = connect(args.redis_url)
-
-    def warn(msg: str) -> None:
-        print(f"mlxq: warning: {msg}", file=sys.stderr)
-
+    # Rate-limited: --watch meets the same bad key at every refresh.
+    warn = Throttle(lambda msg: print(f"mlxq: warning: {msg}", file=sys.stderr))
     if not args.watch:
         doc = collect(conn, warn)
+        warn.flush()
         if args.json:
             print(json.dumps(doc, indent=2))
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -12,32 +13,85 @@ import redis
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
-from rq import Queue, Worker
+from rq import Queue
 
-from mlxq.producer import keys
+from mlxq.producer import keys, shared
 from mlxq.producer.codec import MsgpackSerializer
 
 log = logging.getLogger("mlxq.producer")
 
 _COUNTERS = ("decode_steps", "vectorized_steps", "sampler_calls", "tokens_generated")
 _PAUSES = ("paused", "preemptions", "resumes", "resume_tokens_recomputed")
+#: Deepest nesting read in a worker's stats map (a worker writes 3 levels).
+MAX_STATS_DEPTH = 8
 
 
 def queue_counts(q: Queue) -> dict[str, int]:
-    return {
-        "queued": q.count,
-        "started": q.started_job_registry.count,
-        "finished": q.finished_job_registry.count,
-        "failed": q.failed_job_registry.count,
-        "canceled": q.canceled_job_registry.count,
-    }
+    """One queue's jobs by state, read as :func:`collect` reads them (nothing written).
+
+    Raises:
+        ValueError: the queue's list or a registry is of another type.
+    """
+    wrong: list[str] = []
+    counts = shared.queue_counts(q.connection, [q.name], wrong.append, keep=[q.name])
+    if wrong:
+        raise ValueError(wrong[0])
+    return counts[q.name]
+
+
+def _finite(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is what JSON carries: maps with text keys, lists, text, finite
+    numbers, booleans, None; nested at most :data:`MAX_STATS_DEPTH` deep."""
+    if depth > MAX_STATS_DEPTH:
+        return False
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, list):
+        return all(_finite(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _finite(v, depth + 1) for k, v in value.items())
+    return False  # bytes, msgpack's ext types and timestamps: never what a worker writes
+
+
+def _shape_problem(stats: Mapping[str, Any]) -> str | None:
+    """What is wrong with the fields readers use, if anything."""
+    for k in (*_COUNTERS, *_PAUSES, "running", "started_at", "tok_s_1m", "max_batch"):
+        v = stats.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return f"{k}={shared.shown(v)} is not a finite number"
+    for k in ("model", "queue"):
+        if not isinstance(stats.get(k, ""), str):
+            return f"{k}={shared.shown(stats[k])} is not text"
+    queues = stats.get("queues", [])
+    if not isinstance(queues, list) or not all(isinstance(q, str) for q in queues):
+        return f"queues={shared.shown(queues)} is not a list of names"
+    levels = stats.get("levels", [])
+    if not isinstance(levels, list) or not all(_level(x) for x in levels):
+        return f"levels={shared.shown(levels)} is not a list of [[queue, weight], ...]"
+    if not _finite(stats):
+        return "it holds a value JSON cannot carry (NaN, infinity, bytes, or too deep)"
+    return None
+
+
+def _level(level: Any) -> bool:
+    return isinstance(level, list) and all(
+        isinstance(p, list)
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], int)
+        and not isinstance(p[1], bool)
+        for p in level
+    )
 
 
 def decode_stats(raw: Any) -> dict[str, Any]:
     """A worker's stats map as stored in its ``mlxq:worker:<name>`` hash.
 
     Raises:
-        ValueError: it is not a map, or a counter is not a number.
+        ValueError: it is not a map, a field readers use has another type, a number is
+            not finite, or it holds something JSON cannot carry (the gateway answers it).
     """
     try:
         stats = MsgpackSerializer.loads(raw)
@@ -45,10 +99,8 @@ def decode_stats(raw: Any) -> dict[str, Any]:
         raise ValueError(f"undecodable ({type(e).__name__})") from None
     if not isinstance(stats, Mapping):
         raise ValueError(f"not a map but {type(stats).__name__}")
-    for k in (*_COUNTERS, *_PAUSES, "running", "started_at", "tok_s_1m"):
-        v = stats.get(k, 0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{k}={v!r} is not a number")
+    if problem := _shape_problem(stats):
+        raise ValueError(problem)
     return dict(stats)
 
 
@@ -79,35 +131,39 @@ def _read_stats(
 def collect(connection: redis.Redis, warn: Callable[[str], None] = log.warning) -> dict[str, Any]:
     """The ``mlxq info --json`` document.
 
+    Read through :mod:`mlxq.producer.shared`: whatever one key holds, the rest is
+    answered. A queue is listed when it holds jobs or a listed worker serves it (rq never
+    forgets a queue name; thousands of empty ones would hide the few in use).
+
     Args:
         connection: Redis holding the queues.
-        warn: Told of each worker whose stats cannot be read (that worker is listed
-            without them).
+        warn: Told of each queue, worker or field skipped as unreadable (a worker whose
+            stats cannot be read is listed without them).
 
     Returns:
         ``{"queues": {name: {"queued", "started", "finished", "failed", "canceled"}},
         "workers": [{"name", "state", "queue", "model", "alive", "decode_steps",
-        "vectorized_steps", "tokens_generated", "sampler_calls", ...}]}``; ``alive``: the
-        worker's lease is held; the rest of each worker's stats map follows (``running``,
-        ``max_batch``, ``started_at``, ``tok_s_1m``, ``queues`` and ``levels`` (its queues
-        in order, highest level first), ``paused``, ``preemptions``, ``resumes``, ...).
+        "vectorized_steps", "tokens_generated", "sampler_calls", "birth", ...}]}``;
+        ``alive``: the worker's lease is held; ``birth``: when rq registered it (Unix
+        seconds, None if unknown); the rest of each worker's stats map follows
+        (``running``, ``max_batch``, ``started_at``, ``tok_s_1m``, ``queues`` and
+        ``levels`` (its queues in order, highest level first), ``paused``,
+        ``preemptions``, ``resumes``, ...).
     """
-    queues = {
-        q.name: queue_counts(q)
-        for q in sorted(
-            Queue.all(connection=connection, serializer=MsgpackSerializer), key=lambda q: q.name
-        )
-    }
-    rq_workers = sorted(Worker.all(connection=connection), key=lambda w: w.name)
-    read = _read_stats(connection, [w.name for w in rq_workers], warn)
+    records = shared.worker_records(connection, warn)
+    served = {q for w in records for q in w.queues}
+    names = set(shared.queue_names(connection, warn)) | served
+    queues = shared.queue_counts(connection, names, warn, keep=served)
+    read = _read_stats(connection, [w.name for w in records], warn)
     workers = []
-    for w, (stats, alive) in zip(rq_workers, read, strict=True):
+    for w, (stats, alive) in zip(records, read, strict=True):
         entry: dict[str, Any] = {
             "name": w.name,
-            "state": w.get_state(),
-            "queue": ",".join(w.queue_names()),
+            "state": w.state,
+            "queue": ",".join(w.queues),
             "model": str(stats.get("model", "")),
             "alive": alive,
+            "birth": w.birth,
         }
         entry.update({k: int(stats.get(k, 0)) for k in _COUNTERS})
         entry.update({k: v for k, v in stats.items() if k not in entry and k != "name"})

@@ -8,53 +8,57 @@ Nothing here writes: registries are read without rq's cleanup pass.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 import redis
-from rq import Queue
 from rq.job import Job as RqJob
 from rq.utils import as_text
 
-from mlxq.producer.codec import MsgpackSerializer
+from mlxq.producer import keys, shared
 from mlxq.producer.outcome import STATUS_OF_RQ
 from mlxq.producer.result import latest_failure
+from mlxq.producer.shared import Warn
+
+log = logging.getLogger("mlxq.producer")
 
 STATUSES = ("queued", "started", "finished", "failed", "canceled")
 _FIELDS = ("status", "origin", "enqueued_at", "started_at", "ended_at")
 
 
-def _epoch(raw: Any) -> float | None:
-    """rq's UTC timestamps (``2026-12-02T17:33:01.123456Z``) as Unix seconds."""
-    text = as_text(raw) if raw else ""
-    for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
-        try:
-            return datetime.strptime(text, fmt).replace(tzinfo=timezone.utc).timestamp()
-        except ValueError:
+def _newest_ids(
+    connection: redis.Redis, queues: list[str], wanted: Sequence[str], limit: int, warn: Warn
+) -> dict[str, str]:
+    """The newest ``limit`` job ids of each wanted state in each queue, with their queue:
+    one pipeline for all (errors returned: a key of another type costs only its own
+    list, told to ``warn``), over only the queues that hold anything."""
+    reads = [(q, s) for q in shared.holding(connection, queues) for s in wanted]
+    with connection.pipeline(transaction=False) as p:
+        for q, s in reads:
+            if s == "queued":
+                # Producers push on the right; the newest are at the end of the list.
+                p.lrange(keys.queue_key(q), -limit, -1)
+            else:
+                # Scores are expiry times, so the highest are (near enough) the latest.
+                p.zrange(shared.REGISTRIES[s](q), 0, limit - 1, desc=True)
+        replies = p.execute(raise_on_error=False)
+    found: dict[str, str] = {}
+    for (q, s), ids in zip(reads, replies, strict=True):
+        if isinstance(ids, Exception):
+            warn(f"skipped the {s} jobs of queue {shared.shown(q)}: {ids}")
             continue
-    return None
+        for raw in ids:
+            # The started registry holds "<job id>:<execution id>".
+            job_id = (shared.text(raw) or "").split(":")[0]
+            if shared.JOB_ID.fullmatch(job_id):
+                found[job_id] = q
+    return found
 
 
-def _ids(q: Queue, status: str, limit: int) -> list[str]:
-    """The newest ``limit`` job ids of one state in ``q``."""
-    if status == "queued":
-        # Producers push on the right; the newest are at the end of the list.
-        return q.get_job_ids(offset=max(0, q.count - limit), length=limit)
-    registry = {
-        "started": q.started_job_registry,
-        "finished": q.finished_job_registry,
-        "failed": q.failed_job_registry,
-        "canceled": q.canceled_job_registry,
-    }[status]
-    # Scores are expiry times, so the highest are (near enough) the latest to arrive.
-    return list(registry.get_job_ids(0, limit - 1, desc=True, cleanup=False))
-
-
-def _queues(connection: redis.Redis, queue: str | None) -> list[Queue]:
-    if queue is not None:
-        return [Queue(queue, connection=connection, serializer=MsgpackSerializer)]
-    return list(Queue.all(connection=connection, serializer=MsgpackSerializer))
+def _queues(connection: redis.Redis, queue: str | None, warn: Warn) -> list[str]:
+    return [queue] if queue is not None else shared.queue_names(connection, warn)
 
 
 def recent_jobs(
@@ -62,6 +66,7 @@ def recent_jobs(
     queue: str | None = None,
     status: str | Sequence[str] | None = None,
     limit: int = 50,
+    warn: Warn = log.warning,
 ) -> list[dict[str, Any]]:
     """The latest jobs, newest activity first.
 
@@ -70,6 +75,8 @@ def recent_jobs(
         queue: One queue's jobs; None: every queue rq knows.
         status: Only jobs in this state (or these states), of :data:`STATUSES`.
         limit: Most jobs returned (and most read from each registry).
+        warn: Told of each list or registry skipped as unreadable, and of job records of
+            another type.
 
     Returns:
         ``[{"id", "queue", "status", "enqueued_at", "started_at", "ended_at", "age_s",
@@ -84,26 +91,26 @@ def recent_jobs(
         raise ValueError(f"status={bad!r}: must be among {', '.join(STATUSES)}")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit={limit!r}: must be an integer >= 1")
-    found: dict[str, str] = {}  # id -> queue
-    for q in _queues(connection, queue):
-        for s in wanted:
-            found.update(dict.fromkeys(_ids(q, s, limit), q.name))
+    found = _newest_ids(connection, _queues(connection, queue, warn), wanted, limit, warn)
     with connection.pipeline(transaction=False) as p:
         for job_id in found:
-            p.hmget(RqJob.key_for(job_id), _FIELDS)
-        rows = p.execute()
+            p.hmget(keys.job_key(job_id), _FIELDS)
+        rows = p.execute(raise_on_error=False)
     now = datetime.now(timezone.utc).timestamp()
     jobs = []
     for (job_id, q_name), row in zip(found.items(), rows, strict=True):
+        if isinstance(row, Exception):
+            warn(f"skipped job {job_id} ({keys.job_key(job_id)}): {row}")
+            continue
         raw_status, origin, *times = row
-        state = STATUS_OF_RQ.get(as_text(raw_status) if raw_status else "", "")
+        state = STATUS_OF_RQ.get(shared.text(raw_status) or "", "")
         if state not in wanted:  # expired, or moved on since the registry was read
             continue
-        enqueued, started, ended = (_epoch(t) for t in times)
+        enqueued, started, ended = (shared.epoch(t) for t in times)
         jobs.append(
             {
                 "id": job_id,
-                "queue": as_text(origin) if origin else q_name,
+                "queue": shared.text(origin) or q_name,
                 "status": state,
                 "enqueued_at": enqueued,
                 "started_at": started,
@@ -120,8 +127,11 @@ def recent_jobs(
 
 def job_queue(connection: redis.Redis, job_id: str) -> str | None:
     """The queue a job was submitted to, or None when no such job exists."""
-    raw = connection.hget(RqJob.key_for(job_id), "origin")
-    return as_text(raw) if raw else None
+    try:
+        raw = connection.hget(keys.job_key(job_id), "origin")
+    except redis.ResponseError:  # a record of another type is no job's
+        return None
+    return shared.text(raw) or None
 
 
 def job_details(connection: redis.Redis, job_id: str) -> dict[str, Any] | None:
@@ -142,7 +152,7 @@ def job_details(connection: redis.Redis, job_id: str) -> dict[str, Any] | None:
     if raw_status is None:
         return None
     state = STATUS_OF_RQ.get(as_text(raw_status), "queued")
-    enqueued, started, ended = (_epoch(t) for t in times)
+    enqueued, started, ended = (shared.epoch(t) for t in times)
     now = datetime.now(timezone.utc).timestamp()
     wait_end = started if started is not None else (None if state != "queued" else now)
     reason = None

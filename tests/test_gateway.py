@@ -23,14 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import openai
 import pytest
 from conftest import GatewayProcess, RedisServer, WorkerProcess
+from healthwatch import HealthWatch
+from opshelp import mlxq as mlxq_cli
+from opshelp import wait_for
 from rq import Queue
 
-from mlxq.producer import Client
+from mlxq.producer import Client, keys
 from mlxq.producer.info import collect
 from mlxq.producer.listing import job_details, recent_jobs
+from mlxq.producer.shared import REGISTRIES
 
 pytestmark = pytest.mark.e2e
 
@@ -712,6 +717,173 @@ def test_200_concurrent_streams_all_finish_with_nothing_lost(gw, mlxq, queue):
         job = mlxq.job(_job_id(cid)).result(timeout=10)
         assert text == job.text and reason == job.finish_reason
         assert used == job.usage["completion_tokens"] > 0
+
+
+# -- one bad key in shared state: skipped with a warning, the rest answered ---------------------
+
+
+def _get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as res:
+            return res.status, json.loads(res.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()[:500]
+
+
+def _plant_bad_entries(r: Any, tag: str, queue: str) -> dict[str, Any]:
+    """Every kind of bad entry in rq's queue and worker sets, registries and records (and
+    an mlxq stats map) that a reader meets; names tagged, so they can be found and removed.
+    """
+    bad_queues = {s: f"bad-{s}-{tag}" for s in ("queued", *REGISTRIES)}
+    for state, q in bad_queues.items():
+        key = keys.queue_key(q) if state == "queued" else REGISTRIES[state](q)
+        r.sadd(keys.RQ_QUEUES, keys.queue_key(q))
+        if state == "queued":
+            r.hset(key, "junk", "x")  # a hash, not a list
+        else:
+            r.set(key, "junk")  # a string, not a sorted set
+    r.sadd(
+        keys.RQ_QUEUES,
+        f"garbage-{tag}",
+        b"rq:queue:\xff\xfe" + tag.encode(),
+        keys.queue_key("x" * 300 + tag),
+    )
+    w = {k: f"{k}-{tag}" for k in ("pid", "wrongtype", "nan", "inf", "shape", "gone", "born")}
+    r.sadd(keys.RQ_WORKERS, *(keys.rq_worker_key(n) for n in w.values()))
+    r.sadd(keys.RQ_WORKERS, f"junk-{tag}", b"rq:worker:\xff" + tag.encode())
+    r.hset(keys.rq_worker_key(w["pid"]), mapping={"pid": "abc", "birth": "not a date"})
+    r.hset(keys.rq_worker_key(w["pid"]), mapping={"state": "busy", "queues": queue})
+    r.set(keys.rq_worker_key(w["wrongtype"]), "junk")
+    stats = {
+        "nan": {"model": "m", "tokens_generated": float("nan")},
+        "inf": {"model": "m", "whatever": float("inf")},
+        "shape": {"model": "m", "queues": 5, "levels": "chat"},
+        "born": {"model": "m", "tokens_generated": 7, "blob": b"\x00"},
+    }
+    for k, st in stats.items():
+        r.hset(keys.rq_worker_key(w[k]), mapping={"state": "idle", "queues": f"{queue},x"})
+        r.hset(keys.worker_stats_key(w[k]), "stats", msgpack.packb(st, use_bin_type=True))
+    r.hset(keys.rq_worker_key(w["born"]), "birth", "1999-12-31T23:59:59.000000Z")
+    return {"queues": bad_queues, "workers": w}
+
+
+def _remove_planted(r: Any, tag: str) -> None:
+    for set_key in (keys.RQ_QUEUES, keys.RQ_WORKERS):
+        if r.type(set_key) == b"set":
+            r.srem(set_key, *[m for m in r.smembers(set_key) if tag.encode() in m] or [b"-"])
+    for key in r.scan_iter(match=f"*{tag}*", count=1000):
+        r.delete(key)
+
+
+def _info_json(url: str) -> tuple[dict[str, Any], str]:
+    out = mlxq_cli("info", "--json", url=url)
+    assert out.returncode == 0, out.stderr
+    table = mlxq_cli("info", url=url)
+    assert table.returncode == 0, table.stderr
+    return json.loads(out.stdout), out.stderr
+
+
+def test_one_bad_entry_in_shared_state_is_skipped_and_the_rest_answered(
+    gw, oai, worker, queue, r, redis_server
+):
+    tag, t0 = uuid.uuid4().hex[:8], time.monotonic()
+    _, state = _get(f"{gw.url}/dashboard/api/state")
+    last_sample = state["rates"][-1][0] if state["rates"] else 0.0
+    try:
+        planted = _plant_bad_entries(r, tag, queue)
+        w = planted["workers"]
+        with HealthWatch(gw.url, "bad entries in every shared set and record") as hw:
+            assert queue in {m.id for m in oai.models.list()}
+            assert oai.completions.create(model=queue, prompt="x", max_tokens=2).choices
+            # The tok/s sampler lives on: two more rounds since the keys were planted.
+            two_rounds = wait_for(
+                lambda: (
+                    (s := _get(f"{gw.url}/dashboard/api/state")[1])["rates"]
+                    and len([t for t, _ in s["rates"] if t > last_sample]) >= 2
+                    and s
+                ),
+                "two rounds of the tok/s sampler",
+            )
+        hw.check(live_workers=1)
+        names = {x["name"] for x in two_rounds["workers"]}
+        assert worker.name in names and w["pid"] in names and w["nan"] in names
+        assert w["wrongtype"] not in names and w["gone"] not in names
+        assert queue in two_rounds["queues"]
+        assert not [q for q in two_rounds["queues"] if tag in q]
+        (born,) = [x for x in two_rounds["workers"] if x["name"] == w["born"]]
+        assert born["uptime_s"] > 20 * 365 * 86400 and born["tokens_generated"] == 0
+
+        doc, warned = _info_json(redis_server.url)
+        assert queue in doc["queues"] and not [q for q in doc["queues"] if tag in q]
+        listed = {x["name"]: x for x in doc["workers"]}
+        assert worker.name in listed and w["wrongtype"] not in listed
+        assert listed[w["pid"]]["birth"] is None and listed[w["nan"]]["tokens_generated"] == 0
+        assert listed[w["born"]]["birth"] == 946684799.0
+        for what in (
+            *(f"queue 'bad-{s}-{tag}'" for s in planted["queues"]),
+            keys.rq_worker_key(w["wrongtype"]),
+            "birth=b'not a date'",
+            *(f"stats of worker {w[k]} " for k in ("nan", "inf", "shape", "born")),
+            f"garbage-{tag}",
+            f"junk-{tag}",
+        ):
+            assert what in warned, what
+            assert what in gw.output(), what
+        # Rate-limited: the gateway read these entries many times, and told each once (a
+        # minute).
+        told = gw.output().count(f"skipped queue 'bad-failed-{tag}'")
+        assert 1 <= told <= 1 + (time.monotonic() - t0) // 60
+    finally:
+        _remove_planted(r, tag)
+
+
+def test_rq_sets_of_another_type_leave_the_gateway_answering(gw, oai, queue, r, redis_server):
+    tag = uuid.uuid4().hex[:8]
+    aside = {k: f"{k}:aside-{tag}" for k in (keys.RQ_QUEUES, keys.RQ_WORKERS)}
+    for key, kept in aside.items():
+        r.rename(key, kept)
+        r.set(key, "junk")
+    try:
+        with HealthWatch(gw.url, "rq:queues and rq:workers of another type") as hw:
+            time.sleep(1.1)  # past the cached view
+            assert _get(f"{gw.url}/v1/models") == (200, {"object": "list", "data": []})
+            status, state = _get(f"{gw.url}/dashboard/api/state")
+            assert status == 200 and state["workers"] == []
+            _, warned = _info_json(redis_server.url)
+        hw.check()
+        for key in aside:
+            assert f"skipped {key}: WRONGTYPE" in warned and f"skipped {key}" in gw.output()
+    finally:
+        for key, kept in aside.items():
+            r.delete(key)
+            r.rename(kept, key)
+    wait_for(lambda: queue in {m.id for m in oai.models.list()}, "the queue to be served again")
+
+
+def test_thousands_of_stale_queue_names_are_skipped(gw, oai, queue, r):
+    tag = uuid.uuid4().hex[:8]
+    stale = [keys.queue_key(f"stale-{tag}-{i}") for i in range(5000)]
+    r.sadd(keys.RQ_QUEUES, *stale)
+    try:
+        with HealthWatch(gw.url, "5,000 stale queue names") as hw:
+            time.sleep(1.1)  # past the cached view
+            t0 = time.perf_counter()
+            assert queue in {m.id for m in oai.models.list()}
+            models_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            assert queue in collect(r)["queues"]  # what the gateway reads every 2 s
+            read_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            status, state = _get(f"{gw.url}/dashboard/api/state")
+            state_s = time.perf_counter() - t0
+        hw.check(live_workers=1)
+        assert status == 200 and not [q for q in state["queues"] if tag in q]
+        print(
+            f"\n5,000 stale queues: the gateway's read {read_s:.3f} s, /v1/models "
+            f"{models_s:.3f} s, dashboard state {state_s:.3f} s"
+        )
+    finally:
+        r.srem(keys.RQ_QUEUES, *stale)
 
 
 # -- the examples in ops/examples ---------------------------------------------------------------

@@ -18,9 +18,10 @@ from opshelp import mlxq, wait_for
 from rich.cells import cell_len
 from rich.console import Console
 
-from mlxq.producer import Client
+from mlxq.producer import Client, keys
 from mlxq.producer.gateway.state import level_groups
 from mlxq.producer.info import collect, levels_text, render
+from mlxq.producer.listing import recent_jobs
 
 LEVELS = [[["chat", 1]], [["team-a", 3], ["team-b", 1]], [["sweeps", 1]]]
 
@@ -212,3 +213,75 @@ def test_at_80_columns_each_row_stays_one_line_and_long_names_are_cut_whole():
     wide = _text(doc)
     assert "worker-gpu-node-17-8f3a2b1c" in wide and "chat > team-a:3,team-b:1 > sweeps" in wide
     assert "sweeps-nightly-with-a-rather-long-name" in wide and "123456789" in wide
+
+
+# -- thousands of queue names: rq never forgets one -------------------------------------------
+
+
+class CountingRedis(redis.Redis):
+    """A client that counts its round trips: single commands and pipelines."""
+
+    trips = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        CountingRedis.trips += 1
+        return super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        p = super().pipeline(transaction, shard_hint)
+        execute = p.execute
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            CountingRedis.trips += 1
+            return execute(*args, **kwargs)
+
+        p.execute = counted  # type: ignore[method-assign]
+        return p
+
+
+def test_thousands_of_stale_queue_names_cost_a_few_round_trips(redis_server):
+    r = CountingRedis.from_url(redis_server.url)
+    tag = uuid.uuid4().hex[:6]
+    held, served = f"held-{tag}", f"served-{tag}"
+    stale = [keys.queue_key(f"stale-{tag}-{i}") for i in range(5000)]
+    r.sadd(keys.RQ_QUEUES, *stale)
+    job = Client(redis_server.url, queue=held).submit("nobody serves me", max_tokens=2)
+    # A worker rq lists (its lease long lapsed) still shows the queue it serves.
+    worker = keys.rq_worker_key(f"w-{tag}")
+    r.hset(worker, mapping={"state": "idle", "queues": served})
+    r.sadd(keys.RQ_WORKERS, worker)
+    try:
+        for n_stale in (10, 5000):
+            if n_stale < len(stale):
+                r.srem(keys.RQ_QUEUES, *stale[n_stale:])
+            CountingRedis.trips = 0
+            t0 = time.perf_counter()
+            doc = collect(r)
+            took = time.perf_counter() - t0
+            trips = CountingRedis.trips
+            assert doc["queues"][held]["queued"] == 1
+            assert doc["queues"][served] == dict.fromkeys(
+                ("queued", "started", "finished", "failed", "canceled"), 0
+            )
+            assert not [q for q in doc["queues"] if q.startswith(f"stale-{tag}")]
+            print(f"\ncollect() over {n_stale} stale queues: {trips} round trips, {took:.3f} s")
+            if n_stale == 10:
+                few = trips
+            r.sadd(keys.RQ_QUEUES, *stale)
+        assert trips == few  # the same round trips, whatever the number of queues
+        for status in (None, "queued"):
+            CountingRedis.trips = 0
+            jobs = recent_jobs(r, status=status)
+            assert [j["id"] for j in jobs if j["queue"] == held] == [job.id]
+            assert CountingRedis.trips <= 4
+        t0 = time.perf_counter()
+        out = mlxq("info", url=redis_server.url)
+        took = time.perf_counter() - t0
+        assert out.returncode == 0, out.stderr
+        assert held in out.stdout and served in out.stdout and "stale-" not in out.stdout
+        print(f"mlxq info over 5000 stale queues: {took:.2f} s (a process start included)")
+    finally:
+        job.cancel()
+        r.srem(keys.RQ_QUEUES, *stale)
+        r.srem(keys.RQ_WORKERS, worker)
+        r.delete(worker)

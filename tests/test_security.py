@@ -8,15 +8,21 @@ Real redis-server processes (some of this file's own: ACL, TLS, empty) and real
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import pickle
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -25,6 +31,7 @@ import msgpack
 import pytest
 import redis
 from conftest import WorkerProcess
+from healthwatch import HealthWatch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from rq import Queue
@@ -33,6 +40,9 @@ from rq.serializers import DefaultSerializer
 
 from mlxq.producer import Client, JobFailed, MlxqError, PayloadError, QueueFull, keys
 from mlxq.producer.codec import MsgpackSerializer, decode_chunk
+from mlxq.producer.gateway.config import GatewayConfig
+from mlxq.producer.gateway.metrics import METHODS
+from mlxq.producer.openai_api.request import MAX_UNKNOWN_FIELDS, MAX_WARNED_NAMES
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.prefetch import decode_request
 
@@ -661,6 +671,157 @@ def test_huge_top_k_never_takes_down_its_neighbours(fresh_redis, spawn, queue_na
     except JobFailed as e:
         assert "top_k" in e.reason
     client.close()
+
+
+# -- the gateway under attack: labels, field names, bodies, keys ---------------------------
+# Each attack runs while /health is polled (healthwatch.py): every poll must be answered
+# ok; how long they took is printed (-s), never asserted.
+
+
+def _send(port: int, request: bytes) -> int:
+    """One raw HTTP request on a connection of its own; the status it was answered with."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(request)
+        head = b""
+        while b"\r\n" not in head and (chunk := s.recv(4096)):
+            head += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+def _text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=60) as res:
+        return str(res.read().decode())
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=body, method="POST")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as res:
+            return res.status, json.loads(res.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["error"]
+
+
+def _longest_line(text: str) -> int:
+    return max(map(len, text.splitlines()), default=0)
+
+
+@pytest.mark.e2e
+def test_made_up_http_methods_never_grow_the_metrics(start_gateway):
+    g = start_gateway()
+    before = _text(f"{g.url}/metrics")
+
+    def made_up(i: int) -> int:
+        method = f"M{i:05d}".ljust(15_000, "X")
+        return _send(g.port, f"{method} /health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+
+    watch = HealthWatch(g.url, "5,000 requests with 15 KB made-up methods")
+    with watch as hw, ThreadPoolExecutor(8) as pool:
+        codes = set(pool.map(made_up, range(5000)))
+    hw.check()
+    assert codes == {405}
+    after = _text(f"{g.url}/metrics")
+    assert set(re.findall(r'method="([^"]*)"', after)) <= {*METHODS, "other"}
+    assert 'method="other",route="/health",status="405"} 5000.0' in after
+    assert len(after) - len(before) < 5_000  # a series or two more, not one per request
+    assert _longest_line(g.output()) < 1_000  # uvicorn's lines quote a method cut short
+
+
+@pytest.mark.e2e
+def test_unknown_fields_are_bounded_and_floods_of_them_get_400(start_gateway):
+    g = start_gateway()
+    url = f"{g.url}/v1/chat/completions"
+    base = {
+        "model": f"nobody-{uuid.uuid4().hex[:6]}",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    too_many = {**base, **{f"x{i}": 1 for i in range(MAX_UNKNOWN_FIELDS + 1)}}
+    keys_500k = json.dumps({f"k{i}": 0 for i in range(500_000)}).encode()
+    long_names = [json.dumps({**base, str(i) * 10_000_000: 1}).encode() for i in range(8)]
+    with HealthWatch(g.url, "500k unique keys, 8 x 10 MB field names, 300 new names") as hw:
+        status, err = _post(url, keys_500k)
+        assert status == 400 and "500000 JSON values or more" in err["message"]
+        for raw in long_names:
+            status, err = _post(url, raw)
+            assert status == 400 and "a field name of 10000000 characters" in err["message"]
+        status, err = _post(url, json.dumps(too_many).encode())
+        assert status == 400 and f"{MAX_UNKNOWN_FIELDS + 1} fields mlxq does not know" in str(err)
+        for i in range(MAX_WARNED_NAMES + 44):  # each parsed, its field ignored: no such model
+            status, err = _post(url, json.dumps({**base, f"new_{i}": 1}).encode())
+            assert status == 404 and err["code"] == "model_not_found", err
+    hw.check()
+    log = g.output()
+    # Remembered and told by name up to a bound, then once that no more are.
+    assert log.count("ignoring request field '") == MAX_WARNED_NAMES
+    assert log.count("no more are") == 1
+    assert _longest_line(log) < 1_000 and "Traceback" not in log
+
+
+@pytest.mark.e2e
+def test_deep_json_and_lone_surrogates_are_400_naming_the_field(start_gateway):
+    g = start_gateway()
+    url = f"{g.url}/v1/chat/completions"
+    msgs = '[{"role": "user", "content": "hi"}]'
+
+    def body(extra: str, model: str = '"q"', messages: str = msgs) -> bytes:
+        return f'{{"model": {model}, "messages": {messages}{extra}}}'.encode()
+
+    deep = '{"a": ' * 40 + "1" + "}" * 40
+    cases = [
+        (body("", model='"\\ud800"'), "model"),
+        (body("", messages='[{"role": "user", "content": "a\\udc00b"}]'), "messages[0].content"),
+        (body(', "stop": ["ok", "\\ud83d"]'), "stop[1]"),
+        (body(', "user": "\\udfff"'), "user"),
+        (body(', "metadata": {"k": {"v": "\\ud800"}}'), "metadata.k.v"),
+        (body(', "\\ud800": 1'), "\\ud800"),
+        (body(f', "metadata": {deep}'), "metadata" + ".a" * 32),
+        (body(', "x": ' + "[" * 900 + "]" * 900), "x" + "[0]" * 32),
+        (b"[" * 5_000 + b"]" * 5_000, None),  # deeper than the decoder goes
+    ]
+    with HealthWatch(g.url, "deep JSON and lone surrogates") as hw:
+        for raw, param in cases:
+            status, err = _post(url, raw)
+            assert status == 400, (raw[:80], err)
+            assert err["param"] == (param if param is None else param[:80]), err
+            assert "lone surrogate" in err["message"] or "deep" in err["message"], err
+        # A surrogate pair is one character (an emoji): a body, not an error.
+        status, err = _post(url, body(', "user": "\\ud83d\\ude00"'))
+        assert status == 404 and err["code"] == "model_not_found", err
+    hw.check()
+    assert "Traceback" not in g.output()
+
+
+def _serve(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "MLXQ_API_KEY"}
+    return subprocess.run(
+        [sys.executable, "-m", "mlxq.producer.cli", "serve", "--port", "0", *args],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (["--api-key", ""], {}, "--api-key is empty"),
+        ([], {"MLXQ_API_KEY": ""}, "$MLXQ_API_KEY is empty"),
+        (["--api-key", " k-59d1"], {}, "--api-key has whitespace at an end"),
+        (["--api-key", "k-59d1\t"], {}, "--api-key has whitespace at an end"),
+        ([], {"MLXQ_API_KEY": "k-59d1 "}, "$MLXQ_API_KEY has whitespace at an end"),
+        (["--api-key", "k\u00e9-59d1"], {}, "--api-key has a non-ASCII character at position 1"),
+        (["--api-key", "k-59d1\x7f"], {}, "--api-key has a control character at position 6"),
+    ],
+)
+def test_serve_refuses_api_keys_no_header_can_carry(args, env, says):
+    out = _serve(*args, **env)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert "59d1" not in out.stderr, "the key is a secret: never echoed"
+    key = args[-1] if args else env["MLXQ_API_KEY"]
+    with pytest.raises(ValueError, match="api_key"):
+        GatewayConfig(api_key=key)
 
 
 # -- hypothesis: random bytes through the real decode paths -----------------------------

@@ -13,23 +13,46 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from mlxq.producer.connection import TRANSIENT
 from mlxq.producer.gateway import dashboard, openai_routes
 from mlxq.producer.gateway.config import GatewayConfig
 from mlxq.producer.gateway.errors import APIError, api_error_handler, http_error_handler
 from mlxq.producer.gateway.metrics import MetricsMiddleware
 from mlxq.producer.gateway.state import Gateway
-
-log = logging.getLogger("mlxq.gateway")
+from mlxq.producer.throttle import cut
 
 
 async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
-    log.warning("Redis: %s", exc)
+    gw: Gateway = request.app.state.gateway
+    gw.warn(f"Redis: {type(exc).__name__}: {exc}")
+    if isinstance(exc, redis.ResponseError) and not isinstance(exc, TRANSIENT):
+        # Redis answered, refusing this request (a key of another type): not an outage.
+        return APIError(500, f"Redis refused the request: {exc}", code="redis_error").response()
     return APIError(503, f"Redis is unavailable: {exc}", code="redis_unavailable").response()
 
 
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
     # Starlette logs the traceback after this answer; the client gets OpenAI's shape.
     return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+
+#: Longest text a uvicorn log line quotes from a request (its method, its path).
+MAX_LOGGED_CHARS = 200
+
+
+class _CutArgs(logging.Filter):
+    """Cuts what uvicorn's lines quote from a request: a client chooses it (a 15 KB
+    method name, a 64 KB path), and the log is no place to grow without bound."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                cut(a, MAX_LOGGED_CHARS) if isinstance(a, str) else a for a in record.args
+            )
+        return True
+
+
+_CUT_ARGS = _CutArgs()
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -42,6 +65,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Here, not sooner: uvicorn configures its loggers after the app is made.
+        for name in ("uvicorn.access", "uvicorn.error"):
+            logging.getLogger(name).addFilter(_CUT_ARGS)  # once, however many apps
         sampler = asyncio.create_task(gw.sample_forever())
         try:
             yield
@@ -64,13 +90,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while Redis answers, with the live workers counted; 503 otherwise."""
+        """200 while Redis answers, with the live workers counted; 503 otherwise.
+
+        Redis answering is all it depends on: when the worker view cannot be read (for
+        whatever reason, told rate-limited to the log) ``live_workers`` is null.
+        """
         try:
             await asyncio.to_thread(gw.redis.ping)
-            snap = await gw.snapshot(max_age=1.0)
         except redis.RedisError as e:
             return JSONResponse({"status": "error", "redis": str(e)}, status_code=503)
-        live = sum(1 for w in snap.workers if w.get("alive", True))
+        live = None
+        try:
+            snap = await gw.latest(max_age=1.0)
+            live = sum(1 for w in snap.workers if w.get("alive", True))
+        except Exception as e:
+            gw.warn(f"/health: reading the workers failed: {type(e).__name__}: {e}")
         return JSONResponse({"status": "ok", "redis": "ok", "live_workers": live})
 
     @app.get("/metrics")

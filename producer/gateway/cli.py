@@ -13,6 +13,7 @@ from mlxq.producer.gateway.config import (
     DEFAULT_PORT,
     ROUTED_TIERS,
     GatewayConfig,
+    api_key_problem,
     parse_service_tiers,
 )
 
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # The default is read from the environment but never shown: it is a secret.
     p.add_argument(
         "--api-key",
-        default=os.environ.get("MLXQ_API_KEY") or None,
+        default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* and the dashboard's data "
         "(default: $MLXQ_API_KEY; unset: no key needed)",
     )
@@ -57,6 +58,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", help="(default %(default)s)")
 
 
+def api_key(option: str | None) -> str | None:
+    """The key ``--api-key`` gives, else ``$MLXQ_API_KEY``; None when neither is set.
+
+    Raises:
+        ValueError: naming where the key came from, when it is set but unusable (empty,
+            whitespace at an end, a character no HTTP header carries): an empty
+            ``$MLXQ_API_KEY`` is refused like ``--api-key ""``, never read as "no key".
+    """
+    where, key = "--api-key", option
+    if key is None:
+        where, key = "$MLXQ_API_KEY", os.environ.get("MLXQ_API_KEY")
+    if key is not None and (problem := api_key_problem(key)):
+        raise ValueError(f"{where} {problem}")
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM.
 
@@ -74,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url or os.environ.get("MLXQ_REDIS_URL") or DEFAULT_REDIS_URL,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=api_key(args.api_key),
         max_queued=args.max_queued,
         service_tiers=parse_service_tiers(args.service_tier),
     )

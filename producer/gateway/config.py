@@ -33,6 +33,22 @@ def _tier_problem(tier: str, queue: str) -> str | None:
     return None
 
 
+def api_key_problem(key: str) -> str | None:
+    """What keeps ``key`` from being sent as ``Authorization: Bearer <key>``, None if
+    nothing: it must be visible ASCII (spaces inside allowed), since a header carries no
+    other text reliably, and have no space at either end, since a header's value loses
+    it. The key itself is never quoted: it is a secret."""
+    if not key:
+        return "is empty (leave it unset for a gateway open to all)"
+    if key != key.strip():
+        return "has whitespace at an end, which no HTTP header keeps"
+    for i, c in enumerate(key):
+        if not " " <= c <= "~":
+            kind = "a non-ASCII character" if ord(c) > 127 else "a control character"
+            return f"has {kind} at position {i}, which an HTTP header cannot carry"
+    return None
+
+
 def parse_service_tiers(options: Iterable[str]) -> dict[str, str]:
     """``--service-tier TIER=QUEUE`` options as ``{tier: queue}``.
 
@@ -96,8 +112,7 @@ class GatewayConfig:
             raise ValueError(f"port={self.port!r}: must be an integer")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port!r}: must be in [0, 65535]")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key: must be a non-empty string when set")
+        self._check_api_key()
         if self.max_queued is not None and (
             isinstance(self.max_queued, bool)
             or not isinstance(self.max_queued, int)
@@ -114,6 +129,15 @@ class GatewayConfig:
             if problem := _tier_problem(tier, queue):
                 raise ValueError(f"service_tiers[{tier!r}]={queue!r}: {problem}")
         object.__setattr__(self, "service_tiers", dict(self.service_tiers))
+
+    def _check_api_key(self) -> None:
+        key = self.api_key
+        if key is None:
+            return
+        if not isinstance(key, str):
+            raise ValueError(f"api_key: must be a string, not {type(key).__name__}")
+        if problem := api_key_problem(key):
+            raise ValueError(f"api_key {problem}")
 
     def route(self, model: str, service_tier: str | None) -> tuple[str, str]:
         """The queue a request runs on and the tier it is served at (what it echoes).

@@ -47,7 +47,7 @@ async def page() -> HTMLResponse:
 async def state(request: Request) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
     snap = await gw.snapshot(max_age=0.5)  # the page polls each second
-    jobs = await asyncio.to_thread(recent_jobs, gw.redis, None, None, JOBS_SHOWN)
+    jobs = await asyncio.to_thread(recent_jobs, gw.redis, None, None, JOBS_SHOWN, gw.warn)
     return {
         "now": time.time(),
         "queues": snap.queues,

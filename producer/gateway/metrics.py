@@ -13,6 +13,14 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlxq.producer.codec import FINISH_REASONS
+
+#: The HTTP methods labeled by name; any other is labeled "other".
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+#: finish_reason labels: mlxq's own (:data:`~mlxq.producer.codec.FINISH_REASONS`); any
+#: other (a rogue record) is labeled "other".
+_REASONS = frozenset(FINISH_REASONS)
+OTHER = "other"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -75,7 +83,7 @@ class Metrics:
         )
 
     def completed(self, model: str, finish_reason: str, usage: Mapping[str, int] | None) -> None:
-        self.finished.labels(finish_reason).inc()
+        self.finished.labels(finish_reason if finish_reason in _REASONS else OTHER).inc()
         if usage:
             self.prompt_tokens.labels(model).inc(usage.get("prompt_tokens", 0))
             self.completion_tokens.labels(model).inc(usage.get("completion_tokens", 0))
@@ -106,8 +114,11 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            # The router records the matched route on the scope; unmatched paths share a label
-            # so that scanning for URLs cannot grow the label set without bound.
+            # Every label comes from a fixed set, whatever a client sends: the router records
+            # the matched route's template on the scope (unmatched paths share a label), and
+            # a method of no known name is "other", so that neither scanning for URLs nor
+            # inventing methods grows the label set.
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            method = scope["method"] if scope["method"] in METHODS else OTHER
+            self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)

@@ -47,6 +47,10 @@ from mlxq.producer.outcome import Failure
 
 #: Largest request body read; mlxq's own prompt cap is a million characters.
 MAX_BODY_BYTES = 16 * 1024 * 1024
+#: Most JSON values (array items, object fields) a body may hold: OpenAI's shapes need a
+#: few thousand at most (1,024 messages, 300 logit_bias entries, 64 KB of metadata);
+#: this many decode in well under 0.1 s.
+MAX_BODY_VALUES = 100_000
 #: A status for requests whose client left before the answer (nginx's convention).
 CLIENT_GONE = 499
 
@@ -86,15 +90,54 @@ async def get_model(request: Request, model: str) -> dict[str, Any]:
     return _model_entry(model, snap.serving(model))
 
 
+def _values_over(raw: bytes, cap: int) -> int | None:
+    """How many JSON values (array items, object fields) ``raw`` holds at least, when
+    that is over ``cap``; None when it is ``cap`` or fewer.
+
+    Decoding is the one step the gateway cannot interrupt (it holds the interpreter, so
+    every other request waits), and its time grows with the number of values: a 16 MB
+    body of half a million fields takes half a second. So the values are bounded first,
+    from byte counts alone: the separators and brackets bound them from above (those
+    inside strings count too, so a long prompt of commas gets a closer look), the quotes
+    from below (every string is a value or a key).
+    """
+    separators = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if separators <= cap:
+        return None
+    # Take escaped backslashes, then escaped quotes, out: every quote left opens or closes
+    # a string.
+    bare = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    strings = bare.count(b'"') // 2
+    if strings > cap:
+        return strings
+    # Few strings: split them out (cheap, few parts) and count what is outside them.
+    outside = b"".join(bare.split(b'"')[0::2])
+    n = outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+    return n if n > cap else None
+
+
 async def _json_body(request: Request) -> Any:
+    """The request's body, decoded.
+
+    Raises:
+        APIError: 413 over :data:`MAX_BODY_BYTES`; 400 when it is not JSON, holds over
+            :data:`MAX_BODY_VALUES` values or nests deeper than the decoder goes.
+    """
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
         if size > MAX_BODY_BYTES:
             raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
         parts.append(part)
+    raw = b"".join(parts)
+    if (n := _values_over(raw, MAX_BODY_VALUES)) is not None:
+        raise APIError(
+            400, f"the request body holds {n} JSON values or more (at most {MAX_BODY_VALUES})"
+        )
     try:
-        return json.loads(b"".join(parts))
+        return json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deep") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 

@@ -16,15 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from rq import Queue, Worker
 
 from mlxq.producer import keys
 from mlxq.producer.aio import AsyncClient
-from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.gateway.config import GatewayConfig
 from mlxq.producer.gateway.errors import APIError
 from mlxq.producer.gateway.metrics import Metrics
 from mlxq.producer.info import collect, decoding, levels_text
+from mlxq.producer.throttle import Throttle
 
 log = logging.getLogger("mlxq.gateway")
 
@@ -150,7 +149,8 @@ class Gateway:
         self._clients: dict[str, AsyncClient] = {}
         self._snap: Snapshot | None = None
         self._lock = asyncio.Lock()
-        self._births: dict[str, float] = {}
+        #: Rate-limited warnings of what reads of shared state skip.
+        self.warn = Throttle(log.warning)
 
     def client(self, queue: str) -> AsyncClient:
         """The one client of ``queue``, made on first use."""
@@ -218,9 +218,17 @@ class Gateway:
     def _known(self, queue: str) -> bool:
         """Whether rq knows the queue, or an mlxq worker ever served it."""
         with self.redis.pipeline(transaction=False) as p:
-            p.sismember(Queue.redis_queues_keys, keys.queue_key(queue))
+            p.sismember(keys.RQ_QUEUES, keys.queue_key(queue))
             p.exists(keys.workers_key(queue))
-            return any(p.execute())
+            # A set of another type knows nothing (and says so where it is read in full).
+            return any(not isinstance(r, Exception) and r for r in p.execute(raise_on_error=False))
+
+    async def latest(self, max_age: float) -> Snapshot:
+        """The view as :meth:`snapshot` gives it, except that while a read is under way the
+        last view answers at once (``/health`` must not wait on reading the workers)."""
+        if self._lock.locked() and self._snap is not None:
+            return self._snap
+        return await self.snapshot(max_age)
 
     async def snapshot(self, max_age: float) -> Snapshot:
         """The worker view, re-read when older than ``max_age`` seconds."""
@@ -238,40 +246,28 @@ class Gateway:
             return snap
 
     def _read(self) -> dict[str, Any]:
-        doc = collect(self.redis)
-        names = {w["name"] for w in doc["workers"]}
-        for gone in set(self._births) - names:  # names are per process: they never return
-            del self._births[gone]
-        unknown = [w for w in doc["workers"] if "alive" not in w]
-        if unknown:
-            # rq keeps a killed worker registered for minutes; its mlxq lease lapses in
-            # seconds, so that is what says whether it is alive.
-            with self.redis.pipeline(transaction=False) as p:
-                for w in unknown:
-                    p.exists(keys.alive_key(w["name"]))
-                for w, held in zip(unknown, p.execute(), strict=True):
-                    w["alive"] = bool(held)
+        # collect() skips what it cannot read, telling self.warn; rq keeps a killed
+        # worker registered for minutes, but its mlxq lease (``alive``) lapses in seconds.
+        doc = collect(self.redis, self.warn)
         for w in doc["workers"]:
-            w["started_at"] = self._birth(w["name"])
+            w["started_at"] = w.get("birth")
         return doc
 
-    def _birth(self, name: str) -> float | None:
-        if name not in self._births:
-            key = Worker.redis_worker_namespace_prefix + name
-            found = Worker.find_by_key(key, connection=self.redis, serializer=MsgpackSerializer)
-            if found is None or found.birth_date is None:
-                return None
-            self._births[name] = found.birth_date.timestamp()
-        return self._births[name]
-
     async def sample_forever(self) -> None:
-        """Read the workers every ``sample_s`` and keep the tok/s history (a task)."""
+        """Read the workers every ``sample_s`` and keep the tok/s history (a task).
+
+        A round that fails, for any reason, is logged (rate-limited) and the next one runs:
+        the history must not stop for good on one bad read.
+        """
         while True:
             try:
                 snap = await self.snapshot(max_age=0.0)
                 self.rates.record(snap.workers)
             except redis.RedisError as e:
-                log.warning("reading the workers' counters failed: %s", e)
+                self.warn(f"reading the workers' counters failed: {e}")
+            except Exception as e:
+                self.warn(f"reading the workers' counters failed: {type(e).__name__}: {e}")
+                log.debug("sampler round failed", exc_info=True)
             await asyncio.sleep(self.config.sample_s)
 
     def workers_view(self, snap: Snapshot) -> list[dict[str, Any]]:
