@@ -628,6 +628,20 @@ def test_a_prompt_over_the_context_is_400_and_not_retried(gw, queue, r):
     assert e.value.code == "context_length_exceeded"
     assert failed.count == before + 2, "one job per request: the 400 was not retried"
 
+    # What the model can never take, whatever the prompt, is refused before it is queued:
+    # the worker publishes its context and vocabulary with its counters.
+    q = Queue(queue, connection=r)
+    jobs_before = len(r.keys("rq:job:*"))
+    with pytest.raises(openai.BadRequestError) as e:
+        retrying.completions.create(model=queue, prompt="hi", max_tokens=4096)
+    assert e.value.code == "context_length_exceeded" and "2048" in e.value.message
+    assert e.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        retrying.completions.create(model=queue, prompt="hi", max_tokens=2, logit_bias={"99999": 1})
+    assert e.value.code == "invalid_request_error" and e.value.param == "logit_bias"
+    assert "99999" in e.value.message and "vocabulary" in e.value.message
+    assert len(r.keys("rq:job:*")) == jobs_before and q.count == 0, "nothing was queued"
+
 
 def test_disconnect_mid_stream_cancels_the_job(oai, mlxq, queue):
     stream = oai.completions.create(model=queue, prompt="a long one", stream=True, **LONG)

@@ -186,6 +186,8 @@ class Worker:
             jobs_claimed=self.prefetch.jobs_claimed,
             admit_held_steps=self.loop.schedule.gather.held_steps,
             prefill_buckets=self.engine.prefill_buckets,
+            max_context=self.engine.max_context or 0,
+            vocab_size=self.engine.vocab_size,
         )
 
 

@@ -88,6 +88,10 @@ class WorkerStats:
     #: them (``--admit-hold-steps``), and whether prefills are padded to bucketed shapes.
     admit_held_steps: int = 0
     prefill_buckets: bool = False
+    #: What input the model takes: its context in tokens (0: it names none) and its
+    #: vocabulary's size; a gateway refuses requests past them before they are queued.
+    max_context: int = 0
+    vocab_size: int = 0
 
     @property
     def state(self) -> str:

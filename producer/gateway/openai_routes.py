@@ -145,6 +145,7 @@ async def _json_body(request: Request) -> Any:
 async def _submit(gw: Gateway, req: OpenAIRequest) -> tuple[AsyncJob, str]:
     """The request's job, on the queue its model or service tier picks, and that tier."""
     client, tier = await gw.route(req.model, req.service_tier)
+    _within_limits(req.submit, *await gw.limits(client.queue_name))
     try:
         return await client.submit(**req.submit), tier
     except QueueFull as e:
@@ -153,6 +154,35 @@ async def _submit(gw: Gateway, req: OpenAIRequest) -> tuple[AsyncJob, str]:
         raise APIError(400, str(e), param=e.param) from None
     except PayloadError as e:  # the gateway's own client caps (max_tokens_cap)
         raise APIError(400, str(e)) from None
+
+
+def _within_limits(submit: dict[str, Any], context: int, vocab: int) -> None:
+    """Refuse, before it is queued, what the queue's model cannot take whatever the prompt:
+    ``max_tokens`` that leave no room for a prompt in its context, token ids past its
+    vocabulary (the worker would fail the job with the same reason).
+
+    Raises:
+        APIError: 400, ``context_length_exceeded`` or ``invalid_request_error``.
+    """
+    max_tokens = submit.get("max_tokens")
+    if context and isinstance(max_tokens, int) and max_tokens >= context:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens}: the model's context is {context} tokens, prompt included",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if not vocab:
+        return
+    for name in ("logit_bias", "stop_token_ids"):
+        ids = submit.get(name) or ()
+        if past := sorted(int(t) for t in ids if int(t) >= vocab):
+            raise APIError(
+                400,
+                f"{name}: token id {past[0]} is past the vocabulary ({vocab} tokens)",
+                param=name,
+                code="invalid_request_error",
+            )
 
 
 @router.post("/completions")

@@ -205,6 +205,17 @@ class Gateway:
             code="service_tier_unavailable",
         )
 
+    async def limits(self, queue: str) -> tuple[int, int]:
+        """What input the live workers of ``queue`` all take: the smallest context (tokens)
+        and vocabulary any of them published; 0 where none did (an older worker)."""
+        snap = await self.snapshot(max_age=self.config.sample_s)
+
+        def least(name: str) -> int:
+            known = [v for w in snap.serving(queue) if isinstance(v := w.get(name), int) and v > 0]
+            return min(known, default=0)
+
+        return least("max_context"), least("vocab_size")
+
     async def _served(self, queue: str) -> bool:
         snap = await self.snapshot(max_age=self.config.sample_s)
         if not snap.serving(queue):
