@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Collection, Sequence
@@ -22,7 +21,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from mlxq.producer import keys
+from mlxq.producer import connection, keys
 from mlxq.producer.connection import problem
 from mlxq.producer.errors import MlxqError
 
@@ -85,7 +84,7 @@ def redis_url(arg: str | None) -> str:
     """The Redis URL a command uses: its ``--redis-url``, else ``$MLXQ_REDIS_URL``, else the
     default. Resolved here, not as argparse's default, so ``--help`` never shows a
     password."""
-    return arg or os.environ.get("MLXQ_REDIS_URL") or keys.DEFAULT_REDIS_URL
+    return connection.redis_url(arg)
 
 
 def _common() -> argparse.ArgumentParser:
