@@ -53,6 +53,10 @@ class AsyncJob:
     async def cancel(self) -> bool:
         return await asyncio.to_thread(self._job.cancel)
 
+    async def retry(self) -> bool:
+        """Requeue a failed or canceled job; see :meth:`Job.retry`."""
+        return await asyncio.to_thread(self._job.retry)
+
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """Async-iterate the job's chunks; see :meth:`Job.stream`."""
         follow = Follow(self.id, timeout)

@@ -61,7 +61,18 @@ COMMANDS: dict[str, Command] = {
         "print one job's text, live or replayed, until its end", _JOBS, "add_stream", "run_stream"
     ),
     "cancel": Command("cancel jobs, queued or running", _JOBS, "add_cancel", "run_cancel"),
-    "jobs": Command("recent jobs with status and age", _JOBS, "add_jobs", "run_jobs"),
+    "retry": Command(
+        "requeue failed or canceled jobs with their request, as a new attempt",
+        _JOBS,
+        "add_retry",
+        "run_retry",
+    ),
+    "purge": Command(
+        "delete a queue's queued or ended jobs (asks first)", _JOBS, "add_purge", "run_purge"
+    ),
+    "jobs": Command(
+        "recent jobs with status, age and failure reason", _JOBS, "add_jobs", "run_jobs"
+    ),
     "run-batch": Command(
         "run an OpenAI Batch file (JSON lines) through mlxq queues; resumable",
         "mlxq.producer.batch.cli",
