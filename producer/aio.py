@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from mlxq.producer import keys
-from mlxq.producer.client import DEFAULT_REDIS_URL, Client
+from mlxq.producer.client import Client
 from mlxq.producer.codec import Chunk
 from mlxq.producer.connection import TRANSIENT, backoff, connect_async
+from mlxq.producer.connection import redis_url as resolve_url
 from mlxq.producer.job import Job, end_of
 from mlxq.producer.mux import RESYNC, AsyncSubscriber
 from mlxq.producer.outcome import TERMINAL, job_status
@@ -51,6 +52,10 @@ class AsyncJob:
 
     async def cancel(self) -> bool:
         return await asyncio.to_thread(self._job.cancel)
+
+    async def retry(self) -> bool:
+        """Requeue a failed or canceled job; see :meth:`Job.retry`."""
+        return await asyncio.to_thread(self._job.retry)
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """Async-iterate the job's chunks; see :meth:`Job.stream`."""
@@ -103,11 +108,10 @@ class AsyncClient:
     """Submit and follow jobs from asyncio code; arguments as for
     :class:`~mlxq.producer.client.Client`."""
 
-    def __init__(
-        self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", **kw: Any
-    ) -> None:
-        self._sync = Client(redis_url, queue, **kw)
-        self.aredis = connect_async(redis_url)
+    def __init__(self, redis_url: str | None = None, queue: str = "default", **kw: Any) -> None:
+        url = resolve_url(redis_url)  # None: $MLXQ_REDIS_URL, else the default
+        self._sync = Client(url, queue, **kw)
+        self.aredis = connect_async(url)
         self.subscriber = AsyncSubscriber(self.aredis)
         self.queue_name = queue
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Collection, Sequence
@@ -22,7 +21,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from mlxq.producer import keys
+from mlxq.producer import connection, keys
 from mlxq.producer.connection import problem
 from mlxq.producer.errors import MlxqError
 
@@ -62,7 +61,18 @@ COMMANDS: dict[str, Command] = {
         "print one job's text, live or replayed, until its end", _JOBS, "add_stream", "run_stream"
     ),
     "cancel": Command("cancel jobs, queued or running", _JOBS, "add_cancel", "run_cancel"),
-    "jobs": Command("recent jobs with status and age", _JOBS, "add_jobs", "run_jobs"),
+    "retry": Command(
+        "requeue failed or canceled jobs with their request, as a new attempt",
+        _JOBS,
+        "add_retry",
+        "run_retry",
+    ),
+    "purge": Command(
+        "delete a queue's queued or ended jobs (asks first)", _JOBS, "add_purge", "run_purge"
+    ),
+    "jobs": Command(
+        "recent jobs with status, age and failure reason", _JOBS, "add_jobs", "run_jobs"
+    ),
     "run-batch": Command(
         "run an OpenAI Batch file (JSON lines) through mlxq queues; resumable",
         "mlxq.producer.batch.cli",
@@ -85,7 +95,7 @@ def redis_url(arg: str | None) -> str:
     """The Redis URL a command uses: its ``--redis-url``, else ``$MLXQ_REDIS_URL``, else the
     default. Resolved here, not as argparse's default, so ``--help`` never shows a
     password."""
-    return arg or os.environ.get("MLXQ_REDIS_URL") or keys.DEFAULT_REDIS_URL
+    return connection.redis_url(arg)
 
 
 def _common() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from rq import Queue
 from mlxq.producer import keys
 from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.connection import connect
+from mlxq.producer.connection import redis_url as resolve_url
 from mlxq.producer.errors import QueueFull as QueueFull
 from mlxq.producer.job import Job as Job
 from mlxq.producer.job import cancel_job as cancel_job
@@ -90,7 +91,9 @@ class Client:
     """Submit generation jobs to an mlxq queue.
 
     Args:
-        redis_url: ``redis://[user:pass@]host:port/db`` or ``rediss://`` for TLS.
+        redis_url: ``redis://[user:pass@]host:port/db`` or ``rediss://`` for TLS; None:
+            ``$MLXQ_REDIS_URL``, else ``redis://localhost:6379/0`` (as every ``mlxq``
+            command does).
         queue: The queue jobs go to unless a submit names another; workers started with
             ``--queue`` of the same name serve it.
         max_tokens_cap: Largest ``max_tokens`` a job may ask for.
@@ -102,7 +105,7 @@ class Client:
 
     def __init__(
         self,
-        redis_url: str = DEFAULT_REDIS_URL,
+        redis_url: str | None = None,
         queue: str = "default",
         *,
         max_tokens_cap: int = MAX_TOKENS_CAP,
@@ -120,7 +123,7 @@ class Client:
             integer_in(name, value, lo, hi, note=TTL_NOTE)
         if max_queued is not None:
             integer_in("max_queued", max_queued, 0, 1 << 40, note=TTL_NOTE)
-        self.redis = connection or connect(redis_url)
+        self.redis = connection or connect(resolve_url(redis_url))
         self._subscriber: Subscriber | None = None
         self.queue_name = queue
         self.max_tokens_cap = max_tokens_cap

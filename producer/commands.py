@@ -1,4 +1,5 @@
-"""``mlxq submit | status | result | stream | cancel | jobs | info``: job control from the shell.
+"""``mlxq submit | status | result | stream | cancel | retry | purge | jobs | info``: job
+control from the shell.
 
 Each ``add_X`` function adds command X's arguments to its parser (every option's help
 shows its default; ``submit``'s request options come from the request's fields), and
@@ -9,16 +10,19 @@ into one line and an exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from datetime import datetime, timezone
 
+import redis
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
-from mlxq.producer import listing
+from mlxq.producer import admin, listing
 from mlxq.producer.client import Client
 from mlxq.producer.connection import connect
 from mlxq.producer.errors import JobTimeout, NoSuchJob
@@ -26,7 +30,7 @@ from mlxq.producer.fields import flags
 from mlxq.producer.info import collect, duration, render
 from mlxq.producer.job import Job, cancel_job
 from mlxq.producer.params import GenerationRequest
-from mlxq.producer.terminal import StreamPrinter
+from mlxq.producer.terminal import StreamPrinter, for_terminal
 from mlxq.producer.throttle import Throttle
 
 
@@ -96,6 +100,50 @@ def add_cancel(s: argparse.ArgumentParser) -> None:
     s.add_argument("ids", nargs="+", metavar="ID", help="the jobs' ids")
 
 
+def add_retry(s: argparse.ArgumentParser) -> None:
+    s.description = (
+        "Requeue jobs that failed or were canceled, each with its original request, at its "
+        "queue's end: a new attempt, whose stream replaces the old one (a listener that "
+        "showed the old text gets a reset, then the new text)."
+    )
+    s.add_argument("ids", nargs="*", metavar="ID", help="the jobs' ids")
+    s.add_argument(
+        "--failed",
+        action="store_true",
+        help="every failed job (of --queue, else of every queue) instead (default: off)",
+    )
+    s.add_argument(
+        "--canceled",
+        action="store_true",
+        help="every canceled job (of --queue, else of every queue) instead (default: off)",
+    )
+    s.add_argument(
+        "--queue",
+        default=None,
+        help="with --failed / --canceled: only this queue's jobs (default: every queue)",
+    )
+
+
+def add_purge(s: argparse.ArgumentParser) -> None:
+    s.description = (
+        "Delete a queue's jobs in the given states, with their results and streams (a "
+        "running job is canceled, never purged; jobs a worker already holds stay). Asks "
+        "first on a terminal; elsewhere needs --yes."
+    )
+    s.add_argument("--queue", required=True, help="the queue whose jobs go")
+    s.add_argument(
+        "--status",
+        action="append",
+        choices=admin.PURGEABLE,
+        default=None,
+        help="only jobs in this state; give it again for more "
+        f"(default: all of {', '.join(admin.PURGEABLE)})",
+    )
+    s.add_argument(
+        "--yes", action="store_true", help="purge without asking (default: ask on a terminal)"
+    )
+
+
 def add_jobs(s: argparse.ArgumentParser) -> None:
     s.add_argument("--queue", default=None, help="only this queue's jobs (default: every queue)")
     s.add_argument(
@@ -142,17 +190,55 @@ def run_submit(args: argparse.Namespace) -> int:
             job = client.submit(prompt, **kw)
         if not args.stream:
             print(job.id)
+            _warn_unserved(client, args.queue)
             return 0
         print(f"mlxq: job {job.id} queued on {args.queue!r}", file=sys.stderr, flush=True)
-        return _follow(job, args)
+        _warn_unserved(client, args.queue)
+        return _follow(client, job, args)
+
+
+def _warn_unserved(client: Client, queue: str) -> None:
+    """Say once, on stderr, that no live worker serves ``queue`` (the job waits for one),
+    as run-batch does; the command goes on."""
+    try:
+        unserved = not listing.served(client.redis, queue)
+    except redis.ResponseError:  # a rogue key where the queue's roll is: nothing to say
+        return
+    if unserved:
+        print(
+            f"mlxq: warning: no live worker serves queue {queue!r}: the job waits until one "
+            f"does (start one: mlxq worker --model MODEL --queue {queue})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _waiting_on(client: Client, job_id: str) -> str:
+    """What a job that has not ended is waiting for, in words (for a --wait that passed)."""
+    d = listing.job_details(client.redis, job_id)
+    if d is None:
+        return "the job is gone (its records expired or were purged)"
+    queue = d["queue"] or "?"
+    if d["status"] == "started":
+        return f"it is running on worker {d['worker'] or '?'}"
+    if d["status"] != "queued":
+        return f"it is {d['status']}"
+    with contextlib.suppress(redis.ResponseError):  # a rogue roll key: say no more
+        if not listing.served(client.redis, queue):
+            return f"it is still queued: no live worker serves queue {queue!r}"
+    return f"it is still queued on {queue!r}, behind other jobs, for a free row"
 
 
 def run_stream(args: argparse.Namespace) -> int:
     with Client(args.redis_url) as client:
-        return _follow(client.job(args.id), args)
+        job = client.job(args.id)
+        queue = listing.job_queue(client.redis, job.id)
+        if job.status() == "queued" and queue is not None:
+            _warn_unserved(client, queue)
+        return _follow(client, job, args)
 
 
-def _follow(job: Job, args: argparse.Namespace) -> int:
+def _follow(client: Client, job: Job, args: argparse.Namespace) -> int:
     """Print the job's stream; on Ctrl-C or ``--wait`` passing, say that the job goes on
     (or cancel it, with ``--cancel-on-exit``)."""
     printer = StreamPrinter(job.id, sys.stdout)
@@ -169,7 +255,8 @@ def _follow(job: Job, args: argparse.Namespace) -> int:
         _left(job, args.cancel_on_exit, "interrupted")
         return 130
     except JobTimeout:
-        _left(job, args.cancel_on_exit, f"no end within --wait {args.wait:g} s")
+        why = _waiting_on(client, job.id)
+        _left(job, args.cancel_on_exit, f"no end within --wait {args.wait:g} s ({why})")
         return 1
 
 
@@ -230,7 +317,10 @@ def run_status(args: argparse.Namespace) -> int:
 
 def run_result(args: argparse.Namespace) -> int:
     with Client(args.redis_url) as client:
-        res = client.job(args.id).result(timeout=args.wait)
+        try:
+            res = client.job(args.id).result(timeout=args.wait)
+        except JobTimeout as e:
+            raise JobTimeout(f"{e} ({_waiting_on(client, args.id)})") from None
     if args.json:
         doc = {
             "id": args.id,
@@ -266,6 +356,82 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
+def run_retry(args: argparse.Namespace) -> int:
+    states = [s for s in admin.RETRYABLE if getattr(args, s)]
+    if args.ids and states:
+        raise ValueError("give job ids or --failed / --canceled, not both")
+    if not args.ids and not states:
+        raise ValueError("give the ids of jobs to retry, or --failed / --canceled")
+    if args.queue is not None and not states:
+        raise ValueError(f"--queue={args.queue!r}: only with --failed / --canceled")
+    with Client(args.redis_url) as client:
+        if args.ids:
+            return _retry_ids(client, args.ids)
+        found = 0
+        for queue in admin.queue_names(client.redis, args.queue):
+            for state in states:
+                ids = admin.listed(client.redis, queue, state)
+                if ids:
+                    found += len(ids)
+                    n = admin.retry(client.redis, ids).count("requeued")
+                    print(f"queue {queue!r}: {n} of {len(ids)} {state} jobs requeued")
+    if not found:
+        where = "any queue" if args.queue is None else f"queue {args.queue!r}"
+        print(f"mlxq: no {' or '.join(states)} jobs in {where}", file=sys.stderr)
+    return 0
+
+
+def _retry_ids(client: Client, job_ids: list[str]) -> int:
+    bad = 0
+    for job_id, verdict in zip(job_ids, admin.retry(client.redis, job_ids), strict=True):
+        if verdict == "requeued":
+            print(f"{job_id} requeued on {listing.job_queue(client.redis, job_id)!r}")
+            continue
+        bad += 1
+        if verdict == "nosuch":
+            why = "no such job (never submitted, or its records expired)"
+        elif verdict in admin.RETRY_ERRORS:
+            why = admin.RETRY_ERRORS[verdict]
+        else:
+            why = f"it is {verdict}: only failed or canceled jobs are retried"
+        print(f"mlxq: {job_id}: {why}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def run_purge(args: argparse.Namespace) -> int:
+    states = list(dict.fromkeys(args.status or admin.PURGEABLE))
+    with Client(args.redis_url, queue=args.queue) as client:
+        found = {s: admin.listed(client.redis, args.queue, s) for s in states}
+        total = sum(map(len, found.values()))
+        what = ", ".join(f"{len(found[s])} {s}" for s in states)
+        if not total:
+            print(f"mlxq: queue {args.queue!r} holds no jobs to purge ({what})", file=sys.stderr)
+            return 0
+        if not args.yes and not _confirmed(f"purge {total} jobs of queue {args.queue!r} ({what})"):
+            print("mlxq: nothing purged", file=sys.stderr)
+            return 1
+        done = {s: admin.purge(client.redis, args.queue, s, found[s]) for s in states}
+    n = sum(done.values())
+    moved = f"; {total - n} had moved on meanwhile" if n < total else ""
+    print(
+        f"purged {n} jobs of queue {args.queue!r} "
+        f"({', '.join(f'{done[s]} {s}' for s in states)}){moved}"
+    )
+    return 0
+
+
+def _confirmed(question: str) -> bool:
+    """Ask on the terminal; refuse where nobody can answer (stdin no terminal).
+
+    Raises:
+        ValueError: stdin is not a terminal (give --yes).
+    """
+    if not sys.stdin.isatty():
+        raise ValueError(f"{question}? stdin is not a terminal to answer on: add --yes")
+    print(f"{question}? [y/N] ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
 def run_jobs(args: argparse.Namespace) -> int:
     with Client(args.redis_url) as client:
         jobs = listing.recent_jobs(client.redis, args.queue, args.status, args.limit)
@@ -275,9 +441,21 @@ def run_jobs(args: argparse.Namespace) -> int:
     table = Table(box=None, pad_edge=False)
     for col in ("id", "queue", "status", "age", "ran"):
         table.add_column(col, justify="right" if col in ("age", "ran") else "left", no_wrap=True)
+    # The reason alone wraps (within its column) when a terminal is too narrow for it.
+    table.add_column("reason", ratio=1, overflow="fold")
     for j in jobs:
-        table.add_row(j["id"], j["queue"], j["status"], _secs(j["age_s"]), _secs(j["duration_s"]))
-    Console(soft_wrap=True).print(table)
+        reason = for_terminal(j["failure_reason"], 0) if j["failure_reason"] else ""
+        table.add_row(
+            j["id"],
+            j["queue"],
+            j["status"],
+            _secs(j["age_s"]),
+            _secs(j["duration_s"]),
+            Text(reason),
+        )
+    # A pipe or file gets whole lines, however long, for scripts (grep, awk) to read.
+    width = None if sys.stdout.isatty() else 1 << 16
+    Console(soft_wrap=True, width=width).print(table)
     if not jobs:
         print("no jobs", file=sys.stderr)
     return 0

@@ -9,6 +9,7 @@ Every client mlxq makes (producers, the worker's threads, listeners) comes from
 from __future__ import annotations
 
 import logging
+import os
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -20,7 +21,21 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from mlxq.producer import keys
+
 T = TypeVar("T")
+
+#: Where every mlxq command and client finds its Redis when given no URL: the environment,
+#: so a URL with a password stays off command lines and out of code.
+REDIS_URL_ENV = "MLXQ_REDIS_URL"
+
+
+def redis_url(url: str | None = None) -> str:
+    """The Redis URL to use: ``url`` when given, else ``$MLXQ_REDIS_URL``, else
+    :data:`~mlxq.producer.keys.DEFAULT_REDIS_URL` (read at each call, so a client made
+    after the variable is set uses it)."""
+    return url or os.environ.get(REDIS_URL_ENV) or keys.DEFAULT_REDIS_URL
+
 
 #: What counts as Redis being away (restarting, unreachable, out of memory): retried.
 TRANSIENT: tuple[type[Exception], ...] = (

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from mlxq.producer import keys, scripts
+from mlxq.producer import admin, keys, scripts
 from mlxq.producer.codec import Chunk, decode_job_data
 from mlxq.producer.connection import TRANSIENT, backoff
-from mlxq.producer.errors import JobFailed, JobTimeout, NoSuchJob, PayloadError
+from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
 from mlxq.producer.mux import RESYNC
 from mlxq.producer.outcome import TERMINAL, Outcome, job_status
 from mlxq.producer.result import (
@@ -172,6 +172,25 @@ class Job:
         if verdict == "nosuch":
             raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
         return verdict in ("canceled", "requested")
+
+    def retry(self) -> bool:
+        """Requeue a job that failed or was canceled: the same request runs again, as a
+        new attempt at the queue's end (``mlxq retry``). Its old stream is dropped; a
+        listener that showed it gets a ``kind="reset"`` chunk, then the new run's text.
+
+        Returns:
+            True if it was requeued; False if it had not failed or been canceled.
+
+        Raises:
+            NoSuchJob: the job never existed or its records expired.
+            MlxqError: Redis refused the write, or the job's record names no usable queue.
+        """
+        (verdict,) = admin.retry(self._redis, [self.id])
+        if verdict == "nosuch":
+            raise NoSuchJob(f"no job {self.id!r} (never submitted, or its records expired)")
+        if verdict in admin.RETRY_ERRORS:
+            raise MlxqError(f"job {self.id}: {admin.RETRY_ERRORS[verdict]}")
+        return verdict == "requeued"
 
 
 def read_log(connection: redis.Redis, job_id: str, after: int) -> Any:

@@ -19,7 +19,7 @@ from rq.utils import as_text
 
 from mlxq.producer import keys, shared
 from mlxq.producer.outcome import STATUS_OF_RQ
-from mlxq.producer.result import latest_failure
+from mlxq.producer.result import latest_failure, latest_fields, reason_of
 from mlxq.producer.shared import Warn
 
 log = logging.getLogger("mlxq.producer")
@@ -80,8 +80,10 @@ def recent_jobs(
 
     Returns:
         ``[{"id", "queue", "status", "enqueued_at", "started_at", "ended_at", "age_s",
-        "duration_s"}]``; times are Unix seconds or None, ``age_s`` counts from enqueue,
-        ``duration_s`` from start to end (or to now while running).
+        "duration_s", "failure_reason"}]``; times are Unix seconds or None, ``age_s``
+        counts from enqueue, ``duration_s`` from start to end (or to now while running);
+        ``failure_reason`` is set for failed jobs (the last line of the worker's reason)
+        and canceled ones (``"canceled"``), as ``mlxq status`` shows it.
 
     Raises:
         ValueError: ``status`` names no state, or ``limit`` is below 1.
@@ -122,7 +124,38 @@ def recent_jobs(
     jobs.sort(
         key=lambda j: j["ended_at"] or j["started_at"] or j["enqueued_at"] or 0.0, reverse=True
     )
-    return jobs[:limit]
+    return _with_reasons(connection, jobs[:limit])
+
+
+def _with_reasons(connection: redis.Redis, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``jobs`` with their ``failure_reason``: the failed ones' read in one round trip."""
+    failed = [j for j in jobs if j["status"] == "failed"]
+    for j in jobs:
+        j.setdefault("failure_reason", "canceled" if j["status"] == "canceled" else None)
+    if not failed:
+        return jobs
+    with connection.pipeline(transaction=False) as p:
+        for j in failed:
+            p.xrevrange(keys.results_key(j["id"]), count=1)
+        entries = p.execute(raise_on_error=False)
+    for j, e in zip(failed, entries, strict=True):
+        # A result log of another type (a rogue key) says nothing: that job's reason only.
+        j["failure_reason"] = "unknown" if isinstance(e, Exception) else reason_of(latest_fields(e))
+    return jobs
+
+
+def served(connection: redis.Redis, queue: str) -> bool:
+    """Whether a live worker (one holding its lease) serves ``queue``; True when that
+    cannot be told (the roll of another type): the check only decides a warning."""
+    try:
+        raw: Any = connection.smembers(keys.workers_key(queue))
+    except redis.ResponseError:
+        return True
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
+    with connection.pipeline(transaction=False) as p:
+        for name in names:
+            p.exists(keys.alive_key(name))
+        return any(r is True or r == 1 for r in p.execute(raise_on_error=False))
 
 
 def job_queue(connection: redis.Redis, job_id: str) -> str | None:

@@ -1,10 +1,11 @@
 """mlxq's Lua scripts: every multi-key change of a job's state, one atomic call each.
 
-Scripts live with the code that calls them: the producer's (``cancel``) in ``lua/`` here,
-the worker's in :mod:`mlxq.worker`'s ``lua/``. Each is sent as the key header (from
-:mod:`mlxq.producer.keys`), then the shared ``lib.lua`` (here), then its own body, so key
-names have one source. Each script has one typed wrapper beside it that owns its KEYS and
-ARGV order and parses its reply into a :class:`Call`; callers never build either list.
+Scripts live with the code that calls them: the producer's (``cancel``, ``retry``,
+``purge``) in ``lua/`` here, the worker's in :mod:`mlxq.worker`'s ``lua/``. Each is sent
+as the key header (from :mod:`mlxq.producer.keys`), then the shared ``lib.lua`` (here),
+then its own body, so key names have one source. Each script has one typed wrapper beside
+it that owns its KEYS and ARGV order and parses its reply into a :class:`Call`; callers
+never build either list.
 Scripts run by SHA; after a Redis restart (which empties the script cache) they are loaded
 again and the call retried: every mlxq script is idempotent for that reason.
 """
@@ -85,6 +86,8 @@ def run(client: redis.Redis, calls: Sequence[Call[Any]]) -> list[Any]:
 # -- the producer's scripts ---------------------------------------------------------------
 
 CANCEL = load("mlxq.producer", "cancel")
+RETRY = load("mlxq.producer", "retry")
+PURGE = load("mlxq.producer", "purge")
 
 
 def _text(v: Any) -> str:
@@ -95,3 +98,20 @@ def cancel(job_id: str, now: datetime) -> Call[str]:
     """Cancel a job: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
     args: list[Arg] = [job_id, now.timestamp(), utcformat(now), keys.DEFAULT_FAILURE_TTL, NOTICE]
     return Call(CANCEL, [], args, _text)
+
+
+def retry(job_id: str, now: datetime) -> Call[str]:
+    """Requeue an ended job as a new attempt: ``requeued``, ``nosuch``, ``oom``,
+    ``noqueue``, ``badqueue``, or its status when it is neither failed nor canceled."""
+    return Call(RETRY, [keys.RQ_QUEUES], [job_id, utcformat(now), NOTICE], _text)
+
+
+def _purged(reply: Any) -> tuple[int, str]:
+    return int(reply[0]), _text(reply[1])
+
+
+def purge(box: str, state: str, job_ids: Sequence[str]) -> Call[tuple[int, str]]:
+    """Delete the jobs ``job_ids`` of ``box`` (a queue's list for ``queued``, else the
+    state's registry) that are still in it and in that state: (how many, '') or (0, the
+    type ``box`` holds instead of a list or zset)."""
+    return Call(PURGE, [box], [state, NOTICE, *job_ids], _purged)

@@ -92,7 +92,8 @@ def test_worker_help_shows_the_real_defaults_without_mlx():
         ("--admit-hold-steps", config.DEFAULT_ADMIT_HOLD_STEPS),
         ("--prefill-buckets", "auto"),
     ):
-        assert flag in text and f"(default: {default}" in text, flag
+        env = "MLXQ_" + flag[2:].replace("-", "_").upper()  # each reads its variable first
+        assert flag in text and f"(default: ${env}, else {default})" in text, flag
 
 
 def test_every_submit_option_has_a_type_and_its_docs():

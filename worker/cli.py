@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from mlxq.producer.errors import SetupError
 from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.worker import config as c
 from mlxq.worker import logs
+from mlxq.worker.env import EnvOptions
 
 log = logging.getLogger("mlxq.worker")
 
@@ -58,8 +58,18 @@ def add_worker(p: argparse.ArgumentParser) -> None:
     add_worker_arguments(p)
 
 
+#: ``mlxq worker``'s options that read the environment: every one of them.
+ENV = EnvOptions()
+
+
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    """``mlxq worker``'s options, in the order ``--help`` lists them."""
+    """``mlxq worker``'s options, in the order ``--help`` lists them; each also reads an
+    ``MLXQ_*`` environment variable (:mod:`mlxq.worker.env`), the command line winning."""
+    p.epilog = (
+        "Every option can come from the environment instead: --max-batch from "
+        "MLXQ_MAX_BATCH and so on (named in each option's default), so a service needs "
+        "only MLXQ_MODEL and MLXQ_REDIS_URL in its environment file."
+    )
     _add_queue_arguments(p)
     _add_batch_arguments(p)
     _add_job_arguments(p)
@@ -68,167 +78,198 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
     """What to serve: the model, the Redis and the queue."""
-    p.add_argument("--model", required=True, help="mlx-lm model path or Hugging Face repo id")
+    ENV.add(p, "--model", required=True, help="mlx-lm model path or Hugging Face repo id")
     # The environment's URL is read at run time, never shown: it may hold a password.
-    p.add_argument(
+    ENV.add(
+        p,
         "--redis-url",
-        default=None,
-        help=f"Redis URL (default: $MLXQ_REDIS_URL, else {keys.DEFAULT_REDIS_URL}); prefer "
-        "the environment variable for a URL with a password, which ps would show",
+        default=keys.DEFAULT_REDIS_URL,
+        help="Redis URL; prefer the environment variable for a URL with a password, "
+        "which ps would show",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--queue",
+        env="MLXQ_QUEUES",
         action="append",
-        default=None,
+        type=str.split,
+        default=["default"],
+        shown="default",
         help="queue to serve; give it again for more levels, the first the highest "
         "(--queue chat --queue default --queue sweeps); one value may name several "
-        "queues of one level that split its rows by weight (--queue team-a:3,team-b:1) "
-        "(default: $MLXQ_QUEUES, split on spaces, else default)",
+        "queues of one level that split its rows by weight (--queue team-a:3,team-b:1); "
+        "$MLXQ_QUEUES lists the levels split on spaces",
     )
-    p.add_argument(
+    ENV.add_switch(
+        p,
         "--no-preempt",
         dest="preempt",
-        action="store_false",
         help="never pause a running job for a higher level's; by default the youngest "
         "row of the lowest level running is paused (its KV kept) when no row is free",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--reserve-rows",
         type=int,
         default=0,
-        help="rows kept free for the first level's jobs (default: %(default)s)",
+        help="rows kept free for the first level's jobs",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--max-pauses",
         type=int,
         default=c.DEFAULT_MAX_PAUSES,
-        help="times one job may be paused, at most (default: %(default)s)",
+        help="times one job may be paused, at most",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--paused-kv-bytes",
         type=int,
         default=None,
+        shown="the prompt cache's size",
         help="bytes of KV state kept for paused rows; past it a paused row's KV is "
-        "dropped and prefilled again on resume (default: the prompt cache's size)",
+        "dropped and prefilled again on resume",
     )
 
 
 def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
     """How the batch fills, and how the worker is named and stops."""
-    p.add_argument(
+    ENV.add(
+        p,
         "--window-ms",
         type=float,
         default=c.DEFAULT_WINDOW_MS,
         help="after a first job reaches an idle worker, wait this long for others "
-        "to share its prefill (default: %(default)s)",
+        "to share its prefill",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--max-batch",
         type=int,
         default=c.DEFAULT_MAX_BATCH,
-        help="most jobs decoding at once (default: %(default)s; 64 pays on a GPU)",
+        help="most jobs decoding at once (64 pays on a GPU)",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--admit-hold-steps",
         type=int,
         default=c.DEFAULT_ADMIT_HOLD_STEPS,
         help="while the batch decodes, let jobs that arrive gather for up to this many "
         "decode steps, so they share one prefill (jobs sent one HTTP request at a time); "
-        "0 takes each in at once (default: %(default)s)",
+        "0 takes each in at once",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--prefill-buckets",
         choices=("auto", "on", "off"),
         default="auto",
         help="pad each prefill to one of a few shapes, so a GPU reuses its attention "
-        "plans instead of building one per new shape; auto: on with MLX on CUDA "
-        "(default: %(default)s)",
+        "plans instead of building one per new shape; auto: on with MLX on CUDA",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--name",
         default=None,
-        help="worker name (default: host.pid.random; rq refuses reused names)",
+        shown="host.pid.random",
+        help="worker name (rq refuses reused names)",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--grace-s",
         type=float,
         default=c.DEFAULT_GRACE_S,
         help="on SIGTERM/SIGINT, seconds running jobs may finish before they are "
-        "requeued; a second signal stops at once (default: %(default)s)",
+        "requeued; a second signal stops at once",
     )
 
 
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     """What a job may ask for and how its tokens go out."""
-    p.add_argument(
+    ENV.add(
+        p,
         "--stream-ttl",
         type=int,
         default=keys.DEFAULT_STREAM_TTL,
-        help="seconds a job's replay log lives after its last chunk (default: %(default)s)",
+        help="seconds a job's replay log lives after its last chunk",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--stream-interval-ms",
         type=float,
         default=c.DEFAULT_STREAM_INTERVAL_MS,
         help="tokens a job makes within this interval go out as one chunk; its "
-        "first token never waits; 0 sends every token (default: %(default)s)",
+        "first token never waits; 0 sends every token",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--max-tokens-cap",
         type=int,
         default=MAX_TOKENS_CAP,
-        help="largest max_tokens a job may ask for (default: %(default)s)",
+        help="largest max_tokens a job may ask for",
     )
 
 
 def _add_service_arguments(p: argparse.ArgumentParser) -> None:
     """Metrics, the prompt cache, chat routing and the log."""
-    p.add_argument(
+    ENV.add(
+        p,
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+        shown="off",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--metrics-host",
         default=c.DEFAULT_METRICS_HOST,
-        help="address the metrics server binds (default: %(default)s)",
+        help="address the metrics server binds",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--prompt-cache-bytes",
         type=_bytes_or_auto,
         default=c.DEFAULT_PROMPT_CACHE_BYTES,
+        shown="auto",
         metavar="BYTES",
         help="bytes of KV state kept so later jobs that start with the same tokens (a "
         "sweep's shared prefix, a chat's history) skip that part of the prefill: auto (a "
-        "quarter of the GPU memory the model leaves, 1 GiB on a CPU) or bytes; 0 turns it off "
-        "(default: auto)",
+        "quarter of the GPU memory the model leaves, 1 GiB on a CPU) or bytes; 0 turns it off",
     )
-    p.add_argument(
+    ENV.add_switch(
+        p,
         "--no-routing",
         dest="routing",
-        action="store_false",
         help="claim chat turns like any job; by default a claimed chat turn whose history "
         "another live worker with free rows holds in its prompt cache is handed to it",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--log-level",
         default="INFO",
-        help="DEBUG (adds tracebacks to errors), INFO, WARNING or ERROR (default: %(default)s)",
+        help="DEBUG (adds tracebacks to errors), INFO, WARNING or ERROR",
     )
-    p.add_argument(
+    ENV.add(
+        p,
         "--log-format",
         choices=logs.FORMATS,
         default="text",
-        help="text for people, json (one object per line) for log shippers (default: %(default)s)",
+        help="text for people, json (one object per line) for log shippers",
     )
 
 
 def config_from(args: argparse.Namespace) -> c.WorkerConfig:
+    """The worker's settings: the command line's, else the environment's, else the
+    defaults (``args`` is filled in place, see :meth:`EnvOptions.resolve`).
+
+    Raises:
+        ValueError: naming the option or variable and the bad value.
+    """
+    ENV.resolve(args)
     return c.WorkerConfig(
         model=args.model,
-        redis_url=args.redis_url or os.environ.get("MLXQ_REDIS_URL") or keys.DEFAULT_REDIS_URL,
-        queues=tuple(args.queue or os.environ.get("MLXQ_QUEUES", "").split() or ("default",)),
+        redis_url=args.redis_url,
+        queues=tuple(args.queue or ("default",)),
         preempt=args.preempt,
         reserve_rows=args.reserve_rows,
         max_pauses=args.max_pauses,
@@ -338,7 +379,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--tokenizer",
         metavar="DIR",
         help="a real model's tokenizer.json and tokenizer_config.json (and generation_config.json)"
-        " to build the model around: random weights, that model's text handling",
+        " to build the model around: random weights, that model's text handling"
+        " (default: the tiny model's own tokenizer)",
     )
     tiny.add_argument(
         "--eos-ids",

@@ -11,6 +11,7 @@ import redis
 
 from mlxq.producer import keys
 from mlxq.producer.batch.lines import Request
+from mlxq.producer.listing import served as served  # the check `mlxq submit` makes too
 from mlxq.producer.outcome import TERMINAL, job_status
 from mlxq.producer.result import latest_fields
 
@@ -58,13 +59,3 @@ def results(connection: redis.Redis, ids: Sequence[str]) -> list[dict[bytes, byt
         for job_id in ids:
             p.xrevrange(keys.results_key(job_id), count=1)
         return [latest_fields(entries) for entries in p.execute()]
-
-
-def served(connection: redis.Redis, queue: str) -> bool:
-    """Whether a live worker (one holding its lease) serves ``queue``."""
-    raw: Any = connection.smembers(keys.workers_key(queue))
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
-    with connection.pipeline(transaction=False) as p:
-        for name in names:
-            p.exists(keys.alive_key(name))
-        return any(p.execute())
