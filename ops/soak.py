@@ -7,7 +7,9 @@ poison jobs written straight to Redis; and the hostile entries of issue 8: valid
 other keys are poisoned, ids that are not UTF-8 on the queue, forged cancel and channel
 messages and a forged log entry, a worker frozen (SIGSTOP) past its lease while another
 runs, the same id queued twice, cancels racing the ends of jobs, and Redis at maxmemory
-(noeviction) for a few seconds. Beside them, a few chats run turn by turn, each turn
+(noeviction) for a few seconds; and issue 23's queue-wide keys of another type: a busy
+worker's own lease, the queue's roll while a worker holding jobs is killed, a registry and
+a worker record of an unused queue. Beside them, a few chats run turn by turn, each turn
 resending the history, so turns are handed to the worker holding it under every fault.
 The workers serve two levels, ``--queue soak-chat --queue soak``: an interactive chat job
 goes to the higher one every half second while the soak's jobs are submitted, and pauses
@@ -63,8 +65,10 @@ from mlxq.producer.keys import (
     job_key,
     queue_key,
     results_key,
+    rq_worker_key,
     stream_key,
     wip_key,
+    workers_key,
 )
 
 QUEUE = "soak"
@@ -117,6 +121,7 @@ class Tally:
     stray: list[str] = field(default_factory=list)  # rogue ids still in a list at the end
     sigterm_rcs: list[int] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
+    queue_wide_failures: list[str] = field(default_factory=list)  # keys that did not heal
     unexpected_exits: list[str] = field(default_factory=list)
     memory: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -712,6 +717,58 @@ class Soak:
             self.expect(running.id, f"log key a string while {was}", (*TERMINAL,))
         return f"3 valid jobs with rogue keys (attempt, log before start, log while {was})"
 
+    def queue_wide_keys(self) -> str:
+        """Queue-wide keys of another type. A busy worker's own lease made a hash: it must
+        rewrite it and serve on. The queue's roll made a string, then a worker holding jobs
+        killed: its jobs must be found without the roll, and the roll heal. A registry of
+        a queue nobody uses and a worker record with a pid that is no number: every reader
+        skips them. Every job still ends exactly once."""
+        r = self.c.r
+        name, held = self.busy_spare()
+        lease, t = alive_key(name), time.monotonic()
+        with r.pipeline() as p:  # one MULTI: the key is never missing, only wrong
+            p.delete(lease)
+            p.hset(lease, "x", "y")
+            retry(p.execute)
+        while retry(lambda: r.type(lease)) != b"string" and time.monotonic() < t + 30:
+            time.sleep(0.05)
+        lease_s = time.monotonic() - t
+        roll = workers_key(QUEUE)
+        with r.pipeline() as p:
+            p.delete(roll)
+            p.set(roll, "junk")
+            retry(p.execute)
+        victim, vheld = self.busy_spare()
+        t = time.monotonic()
+        self.c.kill9(victim)
+        while self.c.wip(victim) and time.monotonic() < t + 60:  # found without the roll
+            time.sleep(0.05)
+        found_s, left = time.monotonic() - t, len(self.c.wip(victim))
+        new = self.c.start_worker()
+        t = time.monotonic()
+        while retry(lambda: r.type(roll)) != b"set" and time.monotonic() < t + 30:
+            time.sleep(0.05)
+        roll_s = time.monotonic() - t
+        zzz = f"zzz-{uuid.uuid4().hex[:6]}"
+        rogue = rq_worker_key(f"w-{zzz}")
+        with r.pipeline() as p:
+            p.sadd("rq:queues", queue_key(zzz))
+            p.set(f"rq:failed:{zzz}", "junk")
+            p.hset(rogue, mapping={"pid": "abc", "birth": "not a date", "queues": zzz})
+            p.sadd("rq:workers", rogue)
+            retry(p.execute)
+        if lease_s >= 30 or left or roll_s >= 30:
+            self.t.queue_wide_failures.append(
+                f"lease of {name} {'not ' if lease_s >= 30 else ''}rewritten; {left} jobs of "
+                f"{victim} left in its WIP list; roll {'not ' if roll_s >= 30 else ''}healed"
+            )
+        return (
+            f"lease of {name} (holding {held}) a hash: rewritten in {lease_s:.2f}s; roll a "
+            f"string, kill -9 {victim} holding {vheld}: requeued in {found_s:.2f}s ({left} "
+            f"left), roll a set again in {roll_s:.2f}s; started {new}; a junk registry and "
+            f"worker record of queue {zzz}"
+        )
+
     def bad_ids(self) -> str:
         """Ids that are not UTF-8, too long, or of no job, pushed onto the queue."""
         rogue = [b"\xc3\x28", b"\xff\xfe\xfd", b"x" * 300, f"no-such-job-{uuid.uuid4().hex}"]
@@ -888,8 +945,10 @@ class Soak:
             self.duplicate_entries,
             self.cancel_race,
             self.maxmemory,
+            self.queue_wide_keys,
         ]
-        faults = [f for pair in zip(faults, hostile, strict=True) for f in pair]
+        pairs = itertools.zip_longest(faults, hostile)
+        faults = [f for pair in pairs for f in pair if f is not None]
         for n, fault in enumerate(itertools.cycle(faults)):
             if n >= len(faults) and not submitting.is_alive():
                 return
@@ -1056,6 +1115,7 @@ class Soak:
             ),
             ("SIGTERM exit codes", t.sigterm_rcs),
             ("kill -9 recovery by the live worker", [f"{s:.2f}s" for s in t.recoveries]),
+            ("queue-wide keys not healed (must be 0)", t.queue_wide_failures or 0),
             ("workers that died unasked", t.unexpected_exits or 0),
         ]
         for phase, (used, rss) in t.memory.items():
@@ -1088,6 +1148,7 @@ class Soak:
             "queued cancels ignored": queued_not_canceled,
             "SIGTERM exit != 0": sum(rc != 0 for rc in t.sigterm_rcs),
             "workers died unasked": len(t.unexpected_exits),
+            "queue-wide keys not healed": len(t.queue_wide_failures),
             "no prompt cache hit": hits == 0,
             "no chat turn handed": handed == 0,
             "interactive not finished": len(self.unfinished_interactive()),
