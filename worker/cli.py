@@ -289,23 +289,33 @@ def _load_problem(model: str, e: Exception) -> str:
     return f"cannot load model {model!r}: {type(e).__name__}: {first}"
 
 
-def _check_redis(url: str) -> None:
+def _check_redis(config: c.WorkerConfig) -> None:
+    """Redis answers, and lets the worker's user do all the worker does (ACLs)."""
     import redis
 
     from mlxq.producer.connection import connect, problem
+    from mlxq.worker.access import lacking, user_of
 
+    url = config.redis_url
+    client = connect(url, retries=0)
     try:
-        connect(url, retries=0).ping()
+        client.ping()
+        missing = lacking(client, config.worker_name, config.levels.queues)
     except redis.RedisError as e:
         raise SetupError(problem(url, e)) from e
+    finally:
+        client.close()
+    if missing:
+        raise SetupError(missing.text(user_of(client)))
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """Check what the worker needs (MLX, the model path, Redis) with one clear line for
-    what is missing, then load the model and serve.
+    """Check what the worker needs (MLX, the model path, Redis and what its user may do)
+    with one clear line for what is missing, then load the model and serve.
 
     Raises:
-        SetupError: Redis cannot be reached, or the model cannot be loaded.
+        SetupError: Redis cannot be reached or its user lacks a command, key or channel
+            the worker uses; or the model cannot be loaded.
     """
     config = config_from(args)
     logs.setup(args.log_level, args.log_format)
@@ -319,7 +329,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     if (problem := model_problem(config.model)) is not None:
         raise SetupError(problem)
-    _check_redis(config.redis_url)
+    _check_redis(config)
     try:
         engine: Any = Engine.for_worker(config)
     except Exception as e:
