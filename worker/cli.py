@@ -86,6 +86,14 @@ def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
         "(default: $MLXQ_QUEUES, split on spaces, else default)",
     )
     p.add_argument(
+        "--allow-mixed-models",
+        action="store_true",
+        default=None,
+        help="start even when live workers of its queues serve another model (by default "
+        "it refuses: a job's answer would depend on which worker took it) "
+        "(default: $MLXQ_ALLOW_MIXED_MODELS, else off)",
+    )
+    p.add_argument(
         "--no-preempt",
         dest="preempt",
         action="store_false",
@@ -246,7 +254,24 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         routing=args.routing,
         admit_hold_steps=args.admit_hold_steps,
         prefill_buckets={"auto": None, "on": True, "off": False}[args.prefill_buckets],
+        allow_mixed_models=args.allow_mixed_models or env_flag(MIXED_MODELS_ENV),
     )
+
+
+MIXED_MODELS_ENV = "MLXQ_ALLOW_MIXED_MODELS"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment variable (unset: off).
+
+    Raises:
+        ValueError: a value that is neither, naming the variable.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={os.environ[name]!r}: give 1 or 0 (true/false, yes/no, on/off)")
+    return value in _TRUE
 
 
 def model_problem(model: str) -> str | None:
@@ -330,11 +355,56 @@ def run_worker(args: argparse.Namespace) -> int:
     if (problem := model_problem(config.model)) is not None:
         raise SetupError(problem)
     _check_redis(config)
+    digest = _digest(config.model)  # None: a repo id mlx-lm downloads as it loads
+    if digest is not None:
+        _check_model(config, digest)  # before the load: a refusal costs no minutes
     try:
         engine: Any = Engine.for_worker(config)
     except Exception as e:
         raise SetupError(_load_problem(config.model, e)) from e
-    return Worker(config, engine).run()
+    if digest is None:
+        digest = _digest(config.model) or ""
+        if digest:
+            _check_model(config, digest)
+    return Worker(config, engine, model_digest=digest).run()
+
+
+def _digest(model: str) -> str | None:
+    from mlxq.worker.identity import model_digest
+
+    try:
+        return model_digest(model)
+    except OSError as e:  # unreadable: the load says so; compared with nothing
+        log.warning(
+            "could not fingerprint model %s (%s): not compared with other workers", model, e
+        )
+        return None
+
+
+def _check_model(config: c.WorkerConfig, digest: str) -> None:
+    """Refuse to start while live workers of its queues serve another model, unless told.
+
+    Raises:
+        SetupError: they do (naming them), or Redis cannot be reached.
+    """
+    import redis
+
+    from mlxq.producer.connection import connect, problem
+    from mlxq.worker.identity import mismatch_text, mismatches
+
+    client = connect(config.redis_url, retries=0)
+    try:
+        others = mismatches(client, config.worker_name, config.levels.queues, digest)
+    except redis.RedisError as e:
+        raise SetupError(problem(config.redis_url, e)) from e
+    finally:
+        client.close()
+    if others and not config.allow_mixed_models:
+        raise SetupError(mismatch_text(config.model, digest, others))
+    if others:
+        log.warning(
+            "serving anyway (--allow-mixed-models): %s", mismatch_text(config.model, digest, others)
+        )
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

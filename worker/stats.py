@@ -88,6 +88,9 @@ class WorkerStats:
     #: them (``--admit-hold-steps``), and whether prefills are padded to bucketed shapes.
     admit_held_steps: int = 0
     prefill_buckets: bool = False
+    #: The fingerprint of the model served (``mlxq.worker.identity``; ``model`` is the
+    #: path or repo id it was given): workers of one queue serve the same one.
+    model_digest: str = ""
 
     @property
     def state(self) -> str:
