@@ -145,12 +145,12 @@ def _with_reasons(connection: redis.Redis, jobs: list[dict[str, Any]]) -> list[d
 
 
 def served(connection: redis.Redis, queue: str) -> bool:
-    """Whether a live worker (one holding its lease) serves ``queue``; True when that
-    cannot be told (the roll of another type): the check only decides a warning."""
-    try:
-        raw: Any = connection.smembers(keys.workers_key(queue))
-    except redis.ResponseError:
-        return True
+    """Whether a live worker (one holding its lease) serves ``queue``.
+
+    Raises:
+        redis.ResponseError: the queue's roll is of another type (callers only lose advice).
+    """
+    raw: Any = connection.smembers(keys.workers_key(queue))
     names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
     with connection.pipeline(transaction=False) as p:
         for name in names:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -20,10 +21,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from rq import Queue
 
-from mlxq.producer import Client
+from mlxq.producer import Client, keys
 from mlxq.producer.batch import BatchConfig
 from mlxq.producer.batch.files import Journal, LineFile
-from mlxq.producer.batch.lines import LineChecker, LineError, Request
+from mlxq.producer.batch.lines import LineChecker, LineError, LineReader, LongLine, Request
 from mlxq.producer.batch.records import answered_id, failure, line_error, reported_line
 from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.openai_api import CHAT, COMPLETIONS, parse_request
@@ -63,14 +64,49 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float = 90) -> None
         time.sleep(0.02)
 
 
+#: ``python -c LAUNCH FSIZE REPORT ARGS...`` runs ``mlxq ARGS`` with, FSIZE > 0, its files
+#: unable to grow past FSIZE bytes (a write past it fails, EFBIG, as on a full disk; Python
+#: ignores the SIGXFSZ that comes with it) and, REPORT given, its peak memory written there
+#: (VmHWM, KiB): the process's own, which wait4's ru_maxrss is not (that also counts the
+#: pages of the test process it was forked from).
+LAUNCH = """
+import resource, sys
+from mlxq.producer.cli import main
+fsize, report, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+if fsize:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+rc = main(argv)
+if report:
+    with open("/proc/self/status") as f:
+        peak = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(report, "w") as f:
+        f.write(peak)
+sys.exit(rc)
+"""
+
+
 class RunBatch:
     """``mlxq run-batch`` as a process; its stderr kept in a file."""
 
-    def __init__(self, tmp: Path, url: str, inp: Path, out: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        url: str,
+        inp: Path,
+        out: Path,
+        *extra: str,
+        max_file_bytes: int = 0,
+        peak: Path | None = None,
+    ) -> None:
         self.log = tmp / f"run-batch-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "mlxq.producer.cli", "run-batch", "--input", str(inp)]
-        cmd += ["--output", str(out), "--redis-url", url, *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"))
+        self.peak = peak
+        cmd = [sys.executable, "-m", "mlxq.producer.cli"]
+        if max_file_bytes or peak is not None:  # see LAUNCH
+            cmd = [sys.executable, "-c", LAUNCH, str(max_file_bytes), str(peak or "")]
+        cmd += ["run-batch", "--input", str(inp), "--output", str(out), "--redis-url", url]
+        self.proc = subprocess.Popen(
+            [*cmd, *extra], stdout=subprocess.DEVNULL, stderr=self.log.open("wb")
+        )
 
     def wait(self, timeout: float = 120) -> int:
         try:
@@ -251,6 +287,46 @@ def test_config_names_the_bad_field(tmp_path):
         BatchConfig(tmp_path / "nope.jsonl", tmp_path / "o.jsonl")
     with pytest.raises(ValueError, match="folder"):
         BatchConfig(inp, tmp_path / "no" / "o.jsonl")
+
+
+def test_a_line_over_the_cap_is_read_past_and_reported(tmp_path):
+    good = json.dumps(comp("a", "hi", "m")).encode()
+    cap = len(good) + 10
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"\n".join([good, b"x" * (cap + 1), b"y" * cap, b"z" * (3 * cap)]))
+    reader = LineReader(inp, max_line_bytes=cap)
+    got = list(reader)
+    assert [n for n, _ in got] == [1, 2, 3, 4]
+    assert got[0][1] == good + b"\n" and got[2][1] == b"y" * cap + b"\n", "up to the cap: read"
+    assert got[1][1] == LongLine(cap + 1) and got[3][1] == LongLine(3 * cap)
+    assert reader.offset == inp.stat().st_size
+    checker = LineChecker(max_line_bytes=cap)
+    assert isinstance(checker.check(*got[0]), Request)
+    e = checker.check(*got[1])
+    assert isinstance(e, LineError) and (e.line, e.code, e.custom_id) == (2, "line_too_long", None)
+    assert f"{cap + 1} bytes" in e.message and f"max_line_bytes={cap}" in e.message
+    with pytest.raises(ValueError, match="max_line_bytes=0"):
+        LineReader(inp, max_line_bytes=0)
+
+
+def test_files_that_cannot_take_a_run_are_refused_with_one_line(tmp_path, redis_server):
+    inp = write_batch(tmp_path / "in.jsonl", [comp("a", "hi", "m")])
+    with pytest.raises(ValueError, match="max_line_bytes=0"):
+        BatchConfig(inp, tmp_path / "o.jsonl", max_line_bytes=0)
+    with pytest.raises(ValueError, match=r"input=.*is a folder"):
+        BatchConfig(tmp_path, tmp_path / "o.jsonl")
+    for extra, what in [
+        (["-o", str(tmp_path)], "is a folder"),
+        (["-o", "/dev/null"], "not a regular file"),
+        (["-o", str(tmp_path / "o.jsonl"), "--errors", "/dev/null"], "not a regular file"),
+    ]:
+        cmd = [sys.executable, "-m", "mlxq.producer.cli", "run-batch", "-i", str(inp), *extra]
+        cmd += ["--redis-url", redis_server.url]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+        assert what in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not Path("/dev/null.journal").exists()
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_help_shows_the_real_defaults():
@@ -502,6 +578,14 @@ def test_ctrl_c_with_detach_leaves_jobs_running_for_the_rerun(
     assert registry_counts(r, queue_name) == (n, 0), "re-attached: nothing submitted twice"
 
 
+def _peak_kib(tmp: Path, url: str, inp: Path, out: Path, *extra: str) -> int:
+    """run-batch's own peak memory over a whole run, which must succeed."""
+    peak = tmp / f"peak-{time.monotonic_ns()}"
+    run = RunBatch(tmp, url, inp, out, "--progress", "off", *extra, peak=peak)
+    assert run.wait() == 0, run.stderr()
+    return int(peak.read_text())
+
+
 @pytest.mark.e2e
 def test_memory_stays_flat_on_a_100k_line_file(tmp_path, redis_server, queue_name, start_worker):
     """100,000 lines of ~1.6 KB (160 MB) cost run-batch little more memory than 1,000:
@@ -520,12 +604,152 @@ def test_memory_stays_flat_on_a_100k_line_file(tmp_path, redis_server, queue_nam
             for i in range(n - 8):
                 rec = {"id": "batch_req_x", "custom_id": f"r{i}", "error": None}
                 f.write(json.dumps({**rec, "response": {"status_code": 200, "body": {}}}) + "\n")
-        run = RunBatch(tmp_path, redis_server.url, inp, out, "--progress", "off")
-        _, status, usage = os.wait4(run.proc.pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, run.stderr()
+        peak = _peak_kib(tmp_path, redis_server.url, inp, out)
         assert len(read_jsonl(out)) == n
         inp.unlink()
-        return int(usage.ru_maxrss)  # KiB on Linux
+        return peak
 
     small, big = peak_rss_kb(1_000), peak_rss_kb(100_000)
     assert big - small < 48 * 1024, (small, big)
+
+
+@pytest.mark.e2e
+def test_a_line_far_over_the_cap_costs_no_memory(tmp_path, redis_server, queue_name, start_worker):
+    """A 128 MiB line in a file, and a 256 MiB one from a stream (a pipe that sends no
+    newline for that long): each is an error line, read past and never held, and the line
+    after it runs; run-batch's peak memory stays near that of a one-line file."""
+    start_worker()
+    url, q = redis_server.url, queue_name
+    after = json.dumps(comp("after", "Hello", q, max_tokens=2)).encode() + b"\n"
+    chunk = b"x" * (1 << 20)
+
+    def check(out: Path, size: int) -> None:
+        errors = [rec for rec in read_jsonl(out) if rec["response"] is None]
+        assert [(e["error"]["line"], e["error"]["code"]) for e in errors] == [(1, "line_too_long")]
+        assert f"is {size} bytes" in errors[0]["error"]["message"]
+        assert_once_each(out, {"after"})
+
+    small = write_batch(tmp_path / "small.jsonl", [comp("s", "Hello", q, max_tokens=2)])
+    base = _peak_kib(tmp_path, url, small, tmp_path / "small.out")
+
+    big = tmp_path / "big.jsonl"
+    with big.open("wb") as f:
+        f.write(b'{"custom_id": "huge", "body": "')
+        for _ in range(128):
+            f.write(chunk)
+        f.write(b'"}\n' + after)
+    head = len(b'{"custom_id": "huge", "body": "') + 128 * len(chunk) + 2
+    in_file = _peak_kib(tmp_path, url, big, tmp_path / "big.out")  # the cap: 16 MiB
+    big.unlink()
+    check(tmp_path / "big.out", head)
+
+    fifo = tmp_path / "stream"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with fifo.open("wb") as f:
+            for _ in range(256):
+                f.write(chunk)
+            f.write(b"\n" + after)
+
+    threading.Thread(target=feed, daemon=True).start()
+    streamed = _peak_kib(
+        tmp_path, url, fifo, tmp_path / "stream.out", "--max-line-bytes", "1048576"
+    )
+    check(tmp_path / "stream.out", 256 * len(chunk))
+    assert in_file - base < 64 * 1024 and streamed - base < 32 * 1024, (base, in_file, streamed)
+
+
+@pytest.mark.e2e
+def test_a_full_disk_stops_with_one_line_and_a_rerun_finishes(
+    tmp_path, redis_server, queue_name, start_worker, r
+):
+    start_worker()
+    n = 60
+    inp = _long_file(tmp_path, queue_name, n, 4)
+    out, journal = tmp_path / "out.jsonl", tmp_path / "out.jsonl.journal"
+    limit = 16 * 1024  # room for the journal (60 short lines), not for 60 answers
+    first = RunBatch(tmp_path, redis_server.url, inp, out, max_file_bytes=limit)
+    assert first.wait() == 1, first.stderr()
+    stderr = first.stderr()
+    assert f"stopped: {out}: File too large" in stderr and "Traceback" not in stderr, stderr
+    assert f"resume with: mlxq run-batch --input {inp} --output {out}" in stderr
+    assert journal.exists() and 0 < lines_in(out) < n  # and maybe a partial last line
+
+    second = RunBatch(tmp_path, redis_server.url, inp, out)
+    assert second.wait() == 0, second.stderr()
+    assert_once_each(out, {f"r{i}" for i in range(n)})
+    assert registry_counts(r, queue_name) == (n, 0), "the rerun collected, nothing ran twice"
+    assert not journal.exists()
+
+
+@pytest.mark.e2e
+def test_an_input_cut_while_it_runs_is_not_complete(
+    tmp_path, redis_server, queue_name, start_worker, r
+):
+    n, keep = 300, 200
+    inp = _long_file(tmp_path, queue_name, n, 4)
+    whole = inp.read_bytes()
+    out, journal = tmp_path / "out.jsonl", tmp_path / "out.jsonl.journal"
+    run = RunBatch(tmp_path, redis_server.url, inp, out, "--max-in-flight", "8")
+    # No worker yet: the run fills its window, then waits, its reader near the start.
+    wait_until("the window full", lambda: lines_in(journal) >= 8)
+    os.truncate(inp, len(b"".join(whole.splitlines(keepends=True)[:keep])))
+    start_worker()
+    assert run.wait() == 1, run.stderr()
+    stderr = run.stderr()
+    assert "not complete: the input ended at byte" in stderr and "truncated" in stderr, stderr
+    assert "Traceback" not in stderr
+    assert_once_each(out, {f"r{i}" for i in range(keep)})
+    assert journal.exists(), "kept for the rerun"
+
+    inp.write_bytes(whole)
+    again = RunBatch(tmp_path, redis_server.url, inp, out, "--max-in-flight", "8")
+    assert again.wait() == 0, again.stderr()
+    assert_once_each(out, {f"r{i}" for i in range(n)})
+    assert registry_counts(r, queue_name) == (n, 0)
+
+
+@pytest.mark.e2e
+def test_a_rerun_with_another_input_cancels_the_jobs_it_does_not_name(
+    tmp_path, redis_server, queue_name, start_worker, r
+):
+    q = queue_name
+    out, journal = tmp_path / "out.jsonl", tmp_path / "out.jsonl.journal"
+    first = RunBatch(
+        tmp_path, redis_server.url, _long_file(tmp_path, q, 40, 4), out, "--max-in-flight", "16"
+    )
+    queued = Queue(q, connection=r, serializer=MsgpackSerializer)
+    wait_until("16 jobs queued", lambda: queued.count >= 16)  # no worker: they wait
+    first.proc.kill()
+    first.wait()
+    strays = [rec["job_id"] for rec in read_jsonl(journal)]
+    other = tmp_path / "other.jsonl"
+    write_batch(other, [comp(f"o{i}", "Hello", q, max_tokens=4) for i in range(5)])
+    second = RunBatch(tmp_path, redis_server.url, other, out)
+    wait_until("the strays settled", lambda: "had ended" in second.stderr())
+    start_worker()
+    assert second.wait() == 0, second.stderr()
+    stderr = second.stderr()
+    assert "names 16 job(s) an earlier run submitted" in stderr, stderr
+    assert "16 still queued or running: canceled; 0 had ended" in stderr, stderr
+    assert "0 never reached Redis" in stderr
+    assert_once_each(out, {f"o{i}" for i in range(5)})
+    assert {r.hget(keys.job_key(j), "status") for j in strays} == {b"canceled"}
+    assert registry_counts(r, q) == (5, 16)
+
+
+@pytest.mark.e2e
+def test_a_roll_of_another_type_costs_only_the_advice(
+    tmp_path, redis_server, queue_name, start_worker, r
+):
+    roll = keys.workers_key(queue_name)
+    r.set(roll, "junk")
+    inp = _long_file(tmp_path, queue_name, 6, 4)
+    out = tmp_path / "out.jsonl"
+    run = RunBatch(tmp_path, redis_server.url, inp, out)
+    wait_until("the warning", lambda: "could not tell whether a live worker" in run.stderr())
+    r.delete(roll)
+    start_worker()
+    assert run.wait() == 0, run.stderr()
+    assert_once_each(out, {f"r{i}" for i in range(6)})

@@ -232,6 +232,7 @@ SAMPLES = {
     "metrics_host": ("127.0.0.1", "metrics_host", "127.0.0.1"),
     "prompt_cache_bytes": ("0", "prompt_cache_bytes", 0),
     "routing": ("yes", "routing", False),
+    "allow_mixed_models": ("1", "allow_mixed_models", True),
     "log_level": ("DEBUG", None, None),
     "log_format": ("json", None, None),
 }

@@ -100,6 +100,12 @@ def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
         "queues of one level that split its rows by weight (--queue team-a:3,team-b:1); "
         "$MLXQ_QUEUES lists the levels split on spaces",
     )
+    ENV.add_flag(
+        p,
+        "--allow-mixed-models",
+        help="start even when live workers of its queues serve another model (by default "
+        "it refuses: a job's answer would depend on which worker took it)",
+    )
     ENV.add_switch(
         p,
         "--no-preempt",
@@ -287,6 +293,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         routing=args.routing,
         admit_hold_steps=args.admit_hold_steps,
         prefill_buckets={"auto": None, "on": True, "off": False}[args.prefill_buckets],
+        allow_mixed_models=args.allow_mixed_models,
     )
 
 
@@ -330,23 +337,33 @@ def _load_problem(model: str, e: Exception) -> str:
     return f"cannot load model {model!r}: {type(e).__name__}: {first}"
 
 
-def _check_redis(url: str) -> None:
+def _check_redis(config: c.WorkerConfig) -> None:
+    """Redis answers, and lets the worker's user do all the worker does (ACLs)."""
     import redis
 
     from mlxq.producer.connection import connect, problem
+    from mlxq.worker.access import lacking, user_of
 
+    url = config.redis_url
+    client = connect(url, retries=0)
     try:
-        connect(url, retries=0).ping()
+        client.ping()
+        missing = lacking(client, config.worker_name, config.levels.queues)
     except redis.RedisError as e:
         raise SetupError(problem(url, e)) from e
+    finally:
+        client.close()
+    if missing:
+        raise SetupError(missing.text(user_of(client)))
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """Check what the worker needs (MLX, the model path, Redis) with one clear line for
-    what is missing, then load the model and serve.
+    """Check what the worker needs (MLX, the model path, Redis and what its user may do)
+    with one clear line for what is missing, then load the model and serve.
 
     Raises:
-        SetupError: Redis cannot be reached, or the model cannot be loaded.
+        SetupError: Redis cannot be reached or its user lacks a command, key or channel
+            the worker uses; or the model cannot be loaded.
     """
     config = config_from(args)
     logs.setup(args.log_level, args.log_format)
@@ -360,12 +377,57 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     if (problem := model_problem(config.model)) is not None:
         raise SetupError(problem)
-    _check_redis(config.redis_url)
+    _check_redis(config)
+    digest = _digest(config.model)  # None: a repo id mlx-lm downloads as it loads
+    if digest is not None:
+        _check_model(config, digest)  # before the load: a refusal costs no minutes
     try:
         engine: Any = Engine.for_worker(config)
     except Exception as e:
         raise SetupError(_load_problem(config.model, e)) from e
-    return Worker(config, engine).run()
+    if digest is None:
+        digest = _digest(config.model) or ""
+        if digest:
+            _check_model(config, digest)
+    return Worker(config, engine, model_digest=digest).run()
+
+
+def _digest(model: str) -> str | None:
+    from mlxq.worker.identity import model_digest
+
+    try:
+        return model_digest(model)
+    except OSError as e:  # unreadable: the load says so; compared with nothing
+        log.warning(
+            "could not fingerprint model %s (%s): not compared with other workers", model, e
+        )
+        return None
+
+
+def _check_model(config: c.WorkerConfig, digest: str) -> None:
+    """Refuse to start while live workers of its queues serve another model, unless told.
+
+    Raises:
+        SetupError: they do (naming them), or Redis cannot be reached.
+    """
+    import redis
+
+    from mlxq.producer.connection import connect, problem
+    from mlxq.worker.identity import mismatch_text, mismatches
+
+    client = connect(config.redis_url, retries=0)
+    try:
+        others = mismatches(client, config.worker_name, config.levels.queues, digest)
+    except redis.RedisError as e:
+        raise SetupError(problem(config.redis_url, e)) from e
+    finally:
+        client.close()
+    if others and not config.allow_mixed_models:
+        raise SetupError(mismatch_text(config.model, digest, others))
+    if others:
+        log.warning(
+            "serving anyway (--allow-mixed-models): %s", mismatch_text(config.model, digest, others)
+        )
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

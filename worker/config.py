@@ -44,6 +44,11 @@ def _check_prefill(admit_hold_steps: object, prefill_buckets: object) -> None:
         raise ValueError(f"prefill_buckets={prefill_buckets!r}: give True, False or None (auto)")
 
 
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: give True or False")
+
+
 def default_name() -> str:
     """``host.pid.random``: rq refuses a name whose dead twin is still registered."""
     return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
@@ -99,6 +104,8 @@ class WorkerConfig:
             before their prefill (``mlxq.batching.prefill.Gather``); 0: none.
         prefill_buckets: Pad prefill passes to a few bucketed shapes, so a GPU backend's
             per-shape plans are reused; None (the default): on where MLX runs on CUDA.
+        allow_mixed_models: Start even when live workers of its queues serve another
+            model (by default it refuses: a job's answer would depend on the worker).
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -126,6 +133,7 @@ class WorkerConfig:
     paused_kv_bytes: int | None = None
     admit_hold_steps: int = DEFAULT_ADMIT_HOLD_STEPS
     prefill_buckets: bool | None = None
+    allow_mixed_models: bool = False
     levels: Levels = field(init=False)
 
     def __post_init__(self) -> None:
@@ -159,6 +167,7 @@ class WorkerConfig:
         integer_in("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
         integer_in("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
         _check_prefill(self.admit_hold_steps, self.prefill_buckets)
+        _check_bool("allow_mixed_models", self.allow_mixed_models)
         if self.metrics_port is not None:
             integer_in("metrics_port", self.metrics_port, 0, 65535)
         if self.prompt_cache_bytes is not None:

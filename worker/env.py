@@ -120,6 +120,23 @@ class EnvOptions:
             help=f"{help} (default: off; ${env}=1 turns it on)",
         )
 
+    def add_flag(
+        self, p: argparse.ArgumentParser, flag: str, *, help: str, env: str | None = None
+    ) -> None:
+        """A flag that turns its option on (``--allow-mixed-models``); its variable set to a
+        true word (``MLXQ_ALLOW_MIXED_MODELS=1``) does the same."""
+        env = env or env_name(flag)
+        dest = flag.lstrip("-").replace("-", "_")
+        self.options[dest] = EnvOption(flag, dest, env, switch, False)
+        p.add_argument(
+            flag,
+            dest=dest,
+            action="store_const",
+            const=True,
+            default=UNSET,
+            help=f"{help} (default: off; ${env}=1 turns it on)",
+        )
+
     def resolve(self, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:
         """Fill each option the command line left out, in place: from its variable when
         set and not empty, else its default. Every option is filled before an error is

@@ -49,10 +49,15 @@ class Worker:
     Args:
         config: What to serve and how.
         engine: A ready engine (tests inject one); by default ``config.model`` is loaded.
+        model_digest: The model's fingerprint (:mod:`mlxq.worker.identity`), published
+            with the stats for starting workers to compare theirs with.
     """
 
-    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+    def __init__(
+        self, config: WorkerConfig, engine: Engine | None = None, model_digest: str = ""
+    ) -> None:
         self.config = config
+        self.model_digest = model_digest
         self.name = config.worker_name
         self.engine = engine or Engine.for_worker(config)
         self.bridge = Bridge(config)
@@ -188,6 +193,7 @@ class Worker:
             prefill_buckets=self.engine.prefill_buckets,
             max_context=self.engine.max_context or 0,
             vocab_size=self.engine.vocab_size,
+            model_digest=self.model_digest,
         )
 
 

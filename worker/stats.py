@@ -92,6 +92,9 @@ class WorkerStats:
     #: vocabulary's size; a gateway refuses requests past them before they are queued.
     max_context: int = 0
     vocab_size: int = 0
+    #: The fingerprint of the model served (``mlxq.worker.identity``; ``model`` is the
+    #: path or repo id it was given): workers of one queue serve the same one.
+    model_digest: str = ""
 
     @property
     def state(self) -> str:

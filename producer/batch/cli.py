@@ -11,6 +11,7 @@ from pathlib import Path
 from mlxq.producer import keys
 from mlxq.producer.batch.config import (
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_LINE_BYTES,
     DEFAULT_PROGRESS_EVERY_S,
     PROGRESS_MODES,
     BatchConfig,
@@ -60,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most jobs of this run in Redis at once (default: %(default)s)",
     )
     p.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=DEFAULT_MAX_LINE_BYTES,
+        metavar="N",
+        help="longest input line read; a longer one is reported as an error line and read "
+        "past, never held in memory (default: %(default)s, the gateway's body cap)",
+    )
+    p.add_argument(
         "--detach",
         action="store_true",
         help="on Ctrl-C leave the jobs in flight running, for a rerun to collect "
@@ -81,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``mlxq run-batch``; 0 when complete, 130 when stopped (rerun to resume).
+    """Run ``mlxq run-batch``; 0 when complete, 130 when stopped, 1 when a file could not
+    be written or the input ended short (rerun to resume).
 
     Raises:
         ValueError: a bad argument (naming it).
@@ -97,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         detach=args.detach,
         progress=args.progress,
         progress_every_s=args.progress_every,
+        max_line_bytes=args.max_line_bytes,
     )
     logger = logging.getLogger("mlxq")
     if not logger.handlers:
@@ -104,4 +115,8 @@ def run(args: argparse.Namespace) -> int:
         handler.setFormatter(logging.Formatter(f"{PREFIX}: %(levelname)s: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.WARNING)
-    return run_batch(cfg)
+    try:
+        return run_batch(cfg)
+    except OSError as e:  # a file that cannot be opened or written before the sweep
+        print(f"mlxq: {e.filename or 'a file'}: {e.strerror or e}", file=sys.stderr)
+        return 1

@@ -28,6 +28,35 @@ def _encode(record: Mapping[str, Any]) -> bytes:
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
 
+def _named(e: OSError, path: Path) -> OSError:
+    """``e`` naming ``path`` (a failed write on an open file names none)."""
+    return OSError(e.errno, e.strerror, str(path))
+
+
+def _append(fd: int, data: bytes, path: Path) -> None:
+    """Write all of ``data`` to ``fd`` (a write may take part of it), unbuffered: when
+    one fails (a full disk) nothing is left in a buffer for a later flush or the close
+    to fail on again, and what did land is at most a partial last line, which the next
+    run cuts off.
+
+    Raises:
+        OSError: naming ``path``.
+    """
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as e:
+        raise _named(e, path) from None
+
+
+def _fsync(fd: int, path: Path) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise _named(e, path) from None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -90,18 +119,21 @@ class LineFile:
         process; :meth:`sync` makes them survive a crash of the machine)."""
         data = b"".join(_encode(r) for r in records)
         if data:
-            self._f.write(data)
-            self._f.flush()
             self.dirty = True
+            _append(self._f.fileno(), data, self.path)  # O_APPEND: after all there is
 
     def sync(self) -> None:
         if self.dirty:
-            os.fsync(self._f.fileno())
+            # Clean even when it fails: the kernel reports a failed writeback once, so a
+            # second fsync would pass without the data being there.
             self.dirty = False
+            _fsync(self._f.fileno(), self.path)
 
     def close(self) -> None:
-        self.sync()
-        self._f.close()  # and the lock with it
+        try:
+            self.sync()
+        finally:
+            self._f.close()  # and the lock with it
 
 
 class Journal:
@@ -134,13 +166,13 @@ class Journal:
             with self.path.open("rb+") as old:
                 _scan(old, self.path, take)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("wb") as new:
-            new.write(b"".join(_encode({"custom_id": c, "job_id": j}) for c, j in entries.items()))
-            new.flush()
-            os.fsync(new.fileno())
+        with tmp.open("wb", buffering=0) as new:
+            data = b"".join(_encode({"custom_id": c, "job_id": j}) for c, j in entries.items())
+            _append(new.fileno(), data, tmp)
+            _fsync(new.fileno(), tmp)
         os.replace(tmp, self.path)
         _fsync_dir(self.path)
-        self._f = self.path.open("ab")
+        self._f = self.path.open("ab", buffering=0)
         return entries
 
     def discard(self) -> None:
@@ -151,9 +183,9 @@ class Journal:
 
     def record(self, pairs: Iterable[tuple[str, str]]) -> None:
         """Make ``(custom_id, job id)`` pairs durable; call before submitting them."""
-        self._f.write(b"".join(_encode({"custom_id": c, "job_id": j}) for c, j in pairs))
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        data = b"".join(_encode({"custom_id": c, "job_id": j}) for c, j in pairs)
+        _append(self._f.fileno(), data, self.path)
+        _fsync(self._f.fileno(), self.path)
 
     def remove(self) -> None:
         """The sweep is complete (its output synced): nothing is left to re-attach to."""

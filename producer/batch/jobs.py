@@ -35,7 +35,20 @@ class Flight:
     tries: int = 1
 
 
+def _replies(p: Any) -> list[Any]:
+    """A pipeline's replies, where a key of another type (a rogue write) answers as its
+    error, for the caller to read as "no such job"; any other error is raised (one that
+    passes must not read as a vanished job, which would be submitted again)."""
+    replies: list[Any] = p.execute(raise_on_error=False)
+    for r in replies:
+        if isinstance(r, Exception) and not str(r).startswith("WRONGTYPE"):
+            raise r
+    return replies
+
+
 def _state(raw: Any) -> str | None:
+    if isinstance(raw, Exception):  # its job key of another type: no job of this sweep's
+        return None
     status = job_status(raw)
     return status if status is None or status in TERMINAL else LIVE
 
@@ -48,7 +61,7 @@ def states(connection: redis.Redis, ids: Sequence[str]) -> list[str | None]:
     with connection.pipeline(transaction=False) as p:
         for job_id in ids:
             p.hget(keys.job_key(job_id), "status")
-        return [_state(raw) for raw in p.execute()]
+        return [_state(raw) for raw in _replies(p)]
 
 
 def results(connection: redis.Redis, ids: Sequence[str]) -> list[dict[bytes, bytes] | None]:
@@ -58,4 +71,6 @@ def results(connection: redis.Redis, ids: Sequence[str]) -> list[dict[bytes, byt
     with connection.pipeline(transaction=False) as p:
         for job_id in ids:
             p.xrevrange(keys.results_key(job_id), count=1)
-        return [latest_fields(entries) for entries in p.execute()]
+        replies = _replies(p)
+    # A results key of another type reads as no result (the line is answered as failed).
+    return [None if isinstance(e, Exception) else latest_fields(e) for e in replies]

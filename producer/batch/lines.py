@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxq.producer.batch.config import DEFAULT_MAX_LINE_BYTES
 from mlxq.producer.errors import InvalidRequest
 from mlxq.producer.openai_api import ENDPOINTS, OpenAIRequest, parse_request
 
 log = logging.getLogger("mlxq.batch")
 
 MAX_CUSTOM_ID_CHARS = 512
+#: Bytes held at a time while reading past a line over the cap.
+SKIP_CHUNK = 1 << 20
 LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 
 
@@ -54,7 +57,7 @@ class LineError:
         line: Its line number in the input (from 1).
         custom_id: The line's ``custom_id`` when it had a usable one.
         code: ``invalid_json_line``, ``missing_custom_id``, ``duplicate_custom_id``,
-            ``invalid_method``, ``invalid_url`` or ``invalid_request``.
+            ``invalid_method``, ``invalid_url``, ``invalid_request`` or ``line_too_long``.
         message: What is wrong, naming the field.
         param: The field at fault, when one is.
     """
@@ -70,19 +73,52 @@ class LineError:
             raise ValueError(f"line={self.line!r}: must be >= 1")
 
 
-def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """The file's lines with their numbers (from 1), read as a stream."""
-    with path.open("rb") as f:
-        yield from enumerate(f, start=1)
+@dataclass(frozen=True, slots=True)
+class LongLine:
+    """An input line longer than the cap: only its size is known (its bytes were read
+    past, never held)."""
+
+    size: int
 
 
-def count_lines(path: Path) -> int:
-    """Lines that are not blank, counted in one streaming pass."""
-    n = 0
-    with path.open("rb") as f:
-        for raw in f:
-            n += bool(raw.strip())
-    return n
+class LineReader:
+    """A file's (or a stream's) lines with their numbers (from 1), read as a stream: a
+    line longer than ``max_line_bytes`` (its newline not counted) comes as a
+    :class:`LongLine`, so one line never holds more memory than the cap, however long
+    it is (a 2 GB line, an endless stream without a newline).
+
+    Attributes:
+        offset: Bytes read so far (the reader's place in the input).
+    """
+
+    def __init__(self, path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+        if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int):
+            raise ValueError(f"max_line_bytes={max_line_bytes!r}: must be an integer")
+        if max_line_bytes < 1:
+            raise ValueError(f"max_line_bytes={max_line_bytes!r}: must be >= 1")
+        self.path, self.cap = path, max_line_bytes
+        self.offset = 0
+
+    def __iter__(self) -> Iterator[tuple[int, bytes | LongLine]]:
+        with self.path.open("rb") as f:
+            n = 0
+            while raw := f.readline(self.cap + 1):  # at most the cap and a newline
+                n += 1
+                self.offset += len(raw)
+                if len(raw) <= self.cap or raw.endswith(b"\n"):
+                    yield n, raw
+                    continue
+                size = len(raw)
+                while not raw.endswith(b"\n") and (raw := f.readline(SKIP_CHUNK)):
+                    size += len(raw)
+                    self.offset += len(raw)
+                yield n, LongLine(size - raw.endswith(b"\n"))
+
+
+def count_lines(path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
+    """Lines that are not blank, counted in one streaming pass (bounded as a sweep reads)."""
+    lines = LineReader(path, max_line_bytes)
+    return sum(isinstance(raw, LongLine) or bool(raw.strip()) for _, raw in lines)
 
 
 class LineChecker:
@@ -92,17 +128,31 @@ class LineChecker:
         queue: Run every line on this queue (``--queue``); None: each line's ``body.model``.
         answered: ``custom_id`` s that already have an output line (a resumed run): their
             lines are counted (``skipped``) but neither checked further nor run.
+        max_line_bytes: The cap :class:`LineReader` read with (named in the error of a
+            :class:`LongLine`).
     """
 
-    def __init__(self, queue: str | None = None, answered: Container[str] = ()) -> None:
+    def __init__(
+        self,
+        queue: str | None = None,
+        answered: Container[str] = (),
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    ) -> None:
         self.queue = queue
+        self.max_line_bytes = max_line_bytes
         self.answered = answered
         self.seen: dict[str, int] = {}  # custom_id -> the line it was first seen on
         self.skipped = 0
         self._warned: set[str] = set()
 
-    def check(self, line: int, raw: bytes) -> Request | LineError | None:
+    def check(self, line: int, raw: bytes | LongLine) -> Request | LineError | None:
         """One line: a request to run, why it cannot run, or None (blank, or answered)."""
+        if isinstance(raw, LongLine):
+            message = (
+                f"the line is {raw.size} bytes, over max_line_bytes={self.max_line_bytes} "
+                "(--max-line-bytes): skipped unread"
+            )
+            return LineError(line, None, "line_too_long", message)
         if not raw.strip():
             return None
         try:

@@ -22,7 +22,7 @@ class Tally:
     """What a run did so far.
 
     Attributes:
-        total: Input lines that are not blank.
+        total: Input lines that are not blank; None for a stream (not counted).
         earlier: Of those, lines answered (or reported) by earlier runs.
         answered: Output lines this run wrote, failures included.
         failed: Of those, jobs that failed (or were canceled) in the worker.
@@ -31,7 +31,7 @@ class Tally:
         completion_tokens: Over the requests this run answered.
     """
 
-    total: int = 0
+    total: int | None = 0
     earlier: int = 0
     answered: int = 0
     failed: int = 0
@@ -42,7 +42,8 @@ class Tally:
 
     @property
     def done(self) -> int:
-        return min(self.total, self.earlier + self.answered + self.invalid)
+        n = self.earlier + self.answered + self.invalid
+        return n if self.total is None else min(self.total, n)
 
     @property
     def elapsed(self) -> float:
@@ -53,7 +54,7 @@ class Tally:
 
     def eta_s(self) -> float | None:
         made = self.answered + self.invalid
-        if not made or self.elapsed <= 0:
+        if not made or self.elapsed <= 0 or self.total is None:
             return None
         return max(0, self.total - self.done) * self.elapsed / made
 
@@ -115,11 +116,11 @@ class Progress:
 
     def line(self) -> str:
         t = self.tally
+        rest = f"{t.failed} failed, {t.invalid} invalid, {t.tok_s():.0f} tok/s"
+        if t.total is None:  # a stream: no total to measure against
+            return f"{t.done} done, {rest}"
         pct = 100.0 * t.done / t.total if t.total else 100.0
-        return (
-            f"{t.done}/{t.total} done ({pct:.0f}%), {t.failed} failed, {t.invalid} invalid, "
-            f"{t.tok_s():.0f} tok/s, ETA {_clock(t.eta_s())}"
-        )
+        return f"{t.done}/{t.total} done ({pct:.0f}%), {rest}, ETA {_clock(t.eta_s())}"
 
     def close(self) -> None:
         if self.bar is not None:

@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import redis
@@ -30,7 +31,7 @@ from mlxq.producer.batch import jobs, records
 from mlxq.producer.batch.config import BatchConfig
 from mlxq.producer.batch.files import Journal, LineFile
 from mlxq.producer.batch.jobs import LIVE, Flight
-from mlxq.producer.batch.lines import LineChecker, LineError, Request
+from mlxq.producer.batch.lines import LineChecker, LineError, LineReader, LongLine, Request
 from mlxq.producer.batch.progress import Tally
 from mlxq.producer.batch.stop import Interrupted, StopFlag, retry
 from mlxq.producer.client import Client
@@ -87,8 +88,12 @@ class Sweep:
         self.out, self.err, self.journal = out, err, journal
         self.inherited, self.checker, self.reported = inherited, checker, reported
         self.tally, self.stop, self.on_progress = tally, stop, on_progress
-        self.lines: Iterator[tuple[int, bytes]] = iter(())
+        self.reader: LineReader | None = None
+        self.lines: Iterator[tuple[int, bytes | LongLine]] = iter(())
+        self.input_size: int | None = None
         self.exhausted = False
+        #: Why the input ended short of what it held at the start (None: it did not).
+        self.short: str | None = None
         self.flights: dict[str, Flight] = {}
         self.clients: dict[str, Client] = {}
         self.outage = Outage(log, "sweep")
@@ -99,9 +104,19 @@ class Sweep:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def run(self, lines: Iterator[tuple[int, bytes]]) -> bool:
-        """Run until every line is answered or reported (True), or a stop (False)."""
-        self.lines = lines
+    def run(self, reader: LineReader, input_size: int | None = None) -> bool:
+        """Run until every line read is answered or reported (True), or a stop (False).
+
+        Args:
+            reader: The input's lines.
+            input_size: The input's size in bytes when the run started (None: a stream):
+                an input that ends before it was truncated meanwhile (:attr:`short`).
+
+        Raises:
+            OSError: an output, errors or journal write failed (a full disk), naming the
+                file; the jobs in flight are left running, journaled, for a rerun.
+        """
+        self.reader, self.lines, self.input_size = reader, iter(reader), input_size
         self.stop.install()
         try:
             while not self.stop.is_set():
@@ -146,6 +161,14 @@ class Sweep:
         self.journal.close()
         return len(self.flights), canceled
 
+    def abandon(self) -> None:
+        """After a failed write: keep what can be kept, quietly. The jobs in flight stay
+        journaled (and running) for a rerun to collect."""
+        for f in (self.out, self.err):
+            with contextlib.suppress(OSError):
+                f.sync()
+        self.journal.close()
+
     # -- filling the window ------------------------------------------------------------
 
     def _fill(self) -> None:
@@ -158,6 +181,7 @@ class Sweep:
                 line, raw = next(self.lines)
             except StopIteration:
                 self.exhausted = True
+                self._at_end()
                 break
             item = self.checker.check(line, raw)
             if isinstance(item, LineError):
@@ -178,6 +202,47 @@ class Sweep:
             fresh += self._attach(attach)
         if fresh:
             self._submit([Flight(r, uuid.uuid4().hex) for r in fresh])
+
+    def _at_end(self) -> None:
+        """The input ended: say whether it was whole, and settle the journaled jobs of an
+        earlier run that no line of it named."""
+        read = self.reader.offset if self.reader is not None else 0
+        if self.input_size is not None and read < self.input_size:
+            self.short = (
+                f"the input ended at byte {read} of the {self.input_size} it held when this "
+                "run started: it was truncated or replaced meanwhile, and the lines that "
+                "followed were not read"
+            )
+            # The earlier run's jobs of those lines stay journaled, for a rerun with the
+            # whole input to collect.
+            return
+        if self.inherited:
+            self._cancel_strays()
+
+    def _cancel_strays(self) -> None:
+        """Journaled jobs whose ``custom_id`` this input has no runnable line for (an
+        earlier run's input was another file): cancel those still queued or running, and
+        say what became of them all, rather than drop them silently."""
+        strays = list(self.inherited.items())
+        self.inherited.clear()
+        states = self._states([j for _, j in strays])
+        live = [j for (_, j), s in zip(strays, states, strict=True) if s == LIVE]
+        for job_id in live:
+            self._retry(partial(cancel_job, self.redis, job_id))
+        ended = sum(s is not None and s != LIVE for s in states)
+        shown = ", ".join(repr(c) for c, _ in strays[:3]) + (", ..." if len(strays) > 3 else "")
+        log.warning(
+            "%s: the journal names %d job(s) an earlier run submitted for custom_ids this "
+            "input has no runnable line for (%s): was that run's input another file? %d "
+            "still queued or running: canceled; %d had ended: their answers are not written; "
+            "%d never reached Redis or are gone",
+            self.journal.path,
+            len(strays),
+            shown,
+            len(live),
+            ended,
+            len(strays) - len(live) - ended,
+        )
 
     def _attach(self, pairs: Sequence[tuple[Request, str]]) -> list[Request]:
         """Take over jobs an earlier run submitted; returns the lines to submit anew
@@ -237,7 +302,14 @@ class Sweep:
         client = self.clients.get(queue)
         if client is None:
             client = self.clients[queue] = Client(connection=self.redis, queue=queue)
-            if not self._retry(lambda: jobs.served(self.redis, queue)):
+            try:
+                served = self._retry(lambda: jobs.served(self.redis, queue))
+            except redis.ResponseError as e:  # a roll of another type: only advice is lost
+                log.warning(
+                    "could not tell whether a live worker serves queue %r (%s): going on", queue, e
+                )
+                served = True
+            if not served:
                 log.warning("no live worker serves queue %r: its jobs wait until one does", queue)
         return client
 
