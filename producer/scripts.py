@@ -1,6 +1,6 @@
 """mlxq's Lua scripts: every multi-key change of a job's state, one atomic call each.
 
-Scripts live with the code that calls them: the producer's (``cancel``) in ``lua/`` here,
+Scripts live with the code that calls them: the producer's (``cancel``, ``retry``) in ``lua/`` here,
 the worker's in :mod:`mlxq.worker`'s ``lua/``. Each is sent as the key header (from
 :mod:`mlxq.producer.keys`), then the shared ``lib.lua`` (here), then its own body, so key
 names have one source. Each script has one typed wrapper beside it that owns its KEYS and
@@ -95,3 +95,12 @@ def cancel(job_id: str, now: datetime) -> Call[str]:
     """Cancel a job: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
     args: list[Arg] = [job_id, now.timestamp(), utcformat(now), keys.DEFAULT_FAILURE_TTL, NOTICE]
     return Call(CANCEL, [], args, _text)
+
+
+RETRY = load("mlxq.producer", "retry")
+
+
+def retry(job_id: str, now: datetime) -> Call[str]:
+    """Requeue a failed or canceled job as a new attempt: ``requeued``, ``nosuch``,
+    ``active``, ``finished``, ``noqueue`` or ``oom``."""
+    return Call(RETRY, [keys.RQ_QUEUES], [job_id, utcformat(now)], _text)

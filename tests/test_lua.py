@@ -25,7 +25,7 @@ def test_every_script_has_one_wrapper_and_is_installed():
 
     for package, names in (
         ("mlxq.worker", set(worker_scripts.NAMES)),
-        ("mlxq.producer", {scripts.CANCEL.name, "lib"}),
+        ("mlxq.producer", {scripts.CANCEL.name, scripts.RETRY.name, "lib"}),
     ):
         files = {f.name for f in resources.files(package).joinpath("lua").iterdir()}
         assert files == {f"{n}.lua" for n in names}
