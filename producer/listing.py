@@ -19,7 +19,7 @@ from rq.utils import as_text
 
 from mlxq.producer import keys, shared
 from mlxq.producer.outcome import STATUS_OF_RQ
-from mlxq.producer.result import latest_failure
+from mlxq.producer.result import latest_failure, latest_fields, reason_of
 from mlxq.producer.shared import Warn
 
 log = logging.getLogger("mlxq.producer")
@@ -192,3 +192,23 @@ def job_details(connection: redis.Redis, job_id: str) -> dict[str, Any] | None:
         "run_s": None if started is None else max(0.0, (ended or now) - started),
         "failure_reason": reason,
     }
+
+
+def failure_reasons(
+    connection: redis.Redis, job_ids: Sequence[str], warn: Warn = log.warning
+) -> dict[str, str]:
+    """Why each of these failed jobs failed (the last line of its latest failure, read
+    with a size limit), in one pipeline; a result log of another type reads as unreadable,
+    told to ``warn``."""
+    with connection.pipeline(transaction=False) as p:
+        for job_id in job_ids:
+            p.xrevrange(keys.results_key(job_id), count=1)
+        replies = p.execute(raise_on_error=False)
+    out = {}
+    for job_id, entries in zip(job_ids, replies, strict=True):
+        if isinstance(entries, Exception):
+            warn(f"job {job_id}: its result log {keys.results_key(job_id)}: {entries}")
+            out[job_id] = "unknown (its failure record is unreadable)"
+        else:
+            out[job_id] = reason_of(latest_fields(entries))
+    return out
