@@ -170,11 +170,8 @@ def test_first_paint_jobs_newest_first_reasons_cancel_and_retry(
 
     gateway = start_gateway()
     page = browser.new_page(viewport={"width": 1400, "height": 900})
-    asked: list[str] = []
     # Every poll refused: what shows is what the page came with, painted on load.
-    page.route(
-        "**/dashboard/api/state", lambda route: (asked.append(route.request.url), route.abort())
-    )
+    page.route("**/dashboard/api/state", lambda route: route.abort())
     page.goto(f"{gateway.url}/")
     shot = tmp_path / "first-paint.png"
     page.screenshot(path=str(shot), full_page=True)

@@ -109,7 +109,7 @@ def _job_id(job_id: str) -> str:
         status, code, said = _NOSUCH
         raise APIError(
             status,
-            said.format(id=repr(job_id[:_MAX_ID_CHARS])),
+            said.replace("{id}", repr(job_id[:_MAX_ID_CHARS])),
             "invalid_request_error",
             "job_id",
             code,
@@ -150,7 +150,7 @@ _RETRY = {
 
 def _answer(job_id: str, verdict: str, table: dict[str, tuple[int, str, str]]) -> dict[str, str]:
     status, code, said = table.get(verdict, (500, "unknown_verdict", f"job {{id}}: {verdict!r}"))
-    message = said.format(id=job_id)
+    message = said.replace("{id}", job_id)
     if status != 200:
         raise APIError(status, message, param="job_id", code=code)
     return {"id": job_id, "result": code, "message": message}
