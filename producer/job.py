@@ -2,7 +2,8 @@
 its end.
 
 :meth:`Job.stream` is the sync shell of the follow protocol (:mod:`mlxq.producer.stream`);
-the async shell shares :func:`end_of`, and ``mlxq cancel`` and run-batch :func:`cancel_job`.
+the async shell shares :func:`end_of`, and ``mlxq cancel`` and run-batch :func:`cancel_job`;
+the dashboard's retry button :func:`retry_job`.
 """
 
 from __future__ import annotations
@@ -206,6 +207,22 @@ def read_log(connection: redis.Redis, job_id: str, after: int) -> Any:
 def cancel_job(connection: redis.Redis, job_id: str) -> str:
     """Run the cancel script: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
     return scripts.call(connection, scripts.cancel(job_id, datetime.now(timezone.utc)))
+
+
+def retry_job(connection: redis.Redis, job_id: str) -> str:
+    """Requeue a failed or canceled job with its original request, as a new attempt at the
+    back of its queue (see ``lua/retry.lua``), atomically.
+
+    Returns:
+        ``requeued``; ``nosuch`` (no such job), ``active`` (queued or running),
+        ``finished``, ``noqueue`` (its record names no queue one can push to) or ``oom``
+        (Redis is out of memory): nothing was changed.
+    """
+    verdict = scripts.call(connection, scripts.retry(job_id, datetime.now(timezone.utc)))
+    if verdict in ("requeued", "nosuch", "oom", "noqueue", "finished"):
+        return verdict
+    # The script answers a queue key of another type, or a status that did not end.
+    return "noqueue" if verdict == "badqueue" else "active"
 
 
 def end_of(raw_status: Any, fields: dict[bytes, bytes] | None) -> tuple[Any, ...]:

@@ -30,11 +30,17 @@ _FIELDS = ("status", "origin", "enqueued_at", "started_at", "ended_at")
 
 def _newest_ids(
     connection: redis.Redis, queues: list[str], wanted: Sequence[str], limit: int, warn: Warn
-) -> dict[str, str]:
+) -> dict[str, str | None]:
     """The newest ``limit`` job ids of each wanted state in each queue, with their queue:
     one pipeline for all (errors returned: a key of another type costs only its own
-    list, told to ``warn``), over only the queues that hold anything."""
-    reads = [(q, s) for q in shared.holding(connection, queues) for s in wanted]
+    list, told to ``warn``), over only the queues that hold anything. Asked for queued
+    jobs, it adds those the queues' workers claimed and have not started (in their WIP
+    lists, no longer in the queue's), with None for their queue: their record says which
+    (:func:`recent_jobs` keeps those of ``queues``)."""
+    holds, workers = shared.survey(connection, queues, warn)
+    reads = [(q, s) for q in holds for s in wanted]
+    if "queued" not in wanted:
+        workers = []
     with connection.pipeline(transaction=False) as p:
         for q, s in reads:
             if s == "queued":
@@ -43,9 +49,11 @@ def _newest_ids(
             else:
                 # Scores are expiry times, so the highest are (near enough) the latest.
                 p.zrange(shared.REGISTRIES[s](q), 0, limit - 1, desc=True)
-        replies = p.execute(raise_on_error=False)
-    found: dict[str, str] = {}
-    for (q, s), ids in zip(reads, replies, strict=True):
+        shared.read_wips(p, workers)
+        replies = iter(p.execute(raise_on_error=False))
+    found: dict[str, str | None] = {}
+    for q, s in reads:
+        ids = next(replies)
         if isinstance(ids, Exception):
             warn(f"skipped the {s} jobs of queue {shared.shown(q)}: {ids}")
             continue
@@ -54,6 +62,8 @@ def _newest_ids(
             job_id = (shared.text(raw) or "").split(":")[0]
             if shared.JOB_ID.fullmatch(job_id):
                 found[job_id] = q
+    for job_id in shared.held_ids(workers, replies, warn):
+        found.setdefault(job_id, None)
     return found
 
 
@@ -69,6 +79,9 @@ def recent_jobs(
     warn: Warn = log.warning,
 ) -> list[dict[str, Any]]:
     """The latest jobs, newest activity first.
+
+    Queued jobs are all that wait to start: in the queue's list, or claimed by a worker
+    ahead of a free row (buffered: in its WIP list, as ``mlxq status`` says, queued).
 
     Args:
         connection: Redis holding the queues.
@@ -93,7 +106,9 @@ def recent_jobs(
         raise ValueError(f"status={bad!r}: must be among {', '.join(STATUSES)}")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit={limit!r}: must be an integer >= 1")
-    found = _newest_ids(connection, _queues(connection, queue, warn), wanted, limit, warn)
+    queues = _queues(connection, queue, warn)
+    found = _newest_ids(connection, queues, wanted, limit, warn)
+    listed = set(queues)
     with connection.pipeline(transaction=False) as p:
         for job_id in found:
             p.hmget(keys.job_key(job_id), _FIELDS)
@@ -108,6 +123,10 @@ def recent_jobs(
         state = STATUS_OF_RQ.get(shared.text(raw_status) or "", "")
         if state not in wanted:  # expired, or moved on since the registry was read
             continue
+        if q_name is None:  # held by a worker (running or buffered): its origin says whose
+            q_name = shared.text(origin)
+            if q_name not in listed:
+                continue
         enqueued, started, ended = (shared.epoch(t) for t in times)
         jobs.append(
             {
@@ -206,3 +225,23 @@ def job_details(connection: redis.Redis, job_id: str) -> dict[str, Any] | None:
         "run_s": None if started is None else max(0.0, (ended or now) - started),
         "failure_reason": reason,
     }
+
+
+def failure_reasons(
+    connection: redis.Redis, job_ids: Sequence[str], warn: Warn = log.warning
+) -> dict[str, str]:
+    """Why each of these failed jobs failed (the last line of its latest failure, read
+    with a size limit), in one pipeline; a result log of another type reads as unreadable,
+    told to ``warn``."""
+    with connection.pipeline(transaction=False) as p:
+        for job_id in job_ids:
+            p.xrevrange(keys.results_key(job_id), count=1)
+        replies = p.execute(raise_on_error=False)
+    out = {}
+    for job_id, entries in zip(job_ids, replies, strict=True):
+        if isinstance(entries, Exception):
+            warn(f"job {job_id}: its result log {keys.results_key(job_id)}: {entries}")
+            out[job_id] = "unknown (its failure record is unreadable)"
+        else:
+            out[job_id] = reason_of(latest_fields(entries))
+    return out

@@ -1,11 +1,12 @@
 """Reads of the state every process shares, safe whatever one key there holds.
 
 rq's sets of queues (``rq:queues``) and workers (``rq:workers``), each queue's list and
-registries, each worker's rq record: any client with write access can put anything there
-(another tool, a typo in redis-cli, an attacker). rq's own readers fail for all on one bad
-entry (``Queue.all`` and ``Worker.all`` raise on one member or field they cannot parse)
-and its counts clean registries up, i.e. write. So the readers of shared state (``mlxq
-info``, the gateway, the dashboard's lists) read it here, by hand:
+registries, each worker's rq record, mlxq's rolls of workers and their WIP lists: any
+client with write access can put anything there (another tool, a typo in redis-cli, an
+attacker). rq's own readers fail for all on one bad entry (``Queue.all`` and ``Worker.all``
+raise on one member or field they cannot parse) and its counts clean registries up, i.e.
+write. So the readers of shared state (``mlxq info``, the gateway, the dashboard's lists)
+read it here, by hand:
 
 - set members and record fields are parsed one by one; one that is not as rq writes it
   (not UTF-8, not ``rq:queue:<name>``, a ``birth`` that is no date) is skipped;
@@ -48,6 +49,9 @@ COUNTS = ("queued", *REGISTRIES)
 #: Registries scored by expiry time, whose expired entries rq drops when it counts them
 #: (the reads here leave them, and do not count them).
 _EXPIRING = frozenset({"finished", "failed"})
+#: Most entries read from one worker's WIP list: a worker holds its rows and a buffer of
+#: jobs ahead of them (a few hundred at most); a longer list is read this far.
+MAX_HELD = 4096
 #: rq's timestamps (``2026-12-02T17:33:01.123456Z``), and its older form without micros.
 _RQ_TIMES = ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ")
 _WORKER_FIELDS = ("state", "queues", "birth")
@@ -121,11 +125,6 @@ def names_in(connection: redis.Redis, set_key: str, prefix: str, warn: Warn) -> 
     return sorted(names)
 
 
-def _count_keys(queue: str) -> list[tuple[str, str]]:
-    """(state, key) of each key the counts of ``queue`` read."""
-    return [("queued", keys.queue_key(queue)), *((s, k(queue)) for s, k in REGISTRIES.items())]
-
-
 def holding(connection: redis.Redis, queues: list[str]) -> list[str]:
     """The queues of which some key exists (EXISTS answers whatever a key's type)."""
     with connection.pipeline(transaction=False) as p:
@@ -133,6 +132,111 @@ def holding(connection: redis.Redis, queues: list[str]) -> list[str]:
             p.exists(*(k for _, k in _count_keys(q)))
         held = p.execute(raise_on_error=False)
     return [q for q, n in zip(queues, held, strict=True) if isinstance(n, int) and n > 0]
+
+
+def survey(connection: redis.Redis, queues: list[str], warn: Warn) -> tuple[list[str], list[str]]:
+    """:func:`holding`'s queues, and the mlxq workers that serve or served any of them
+    (their rolls, ``mlxq:workers:<queue>``: whose WIP lists may hold their jobs), sorted;
+    in one pipeline. A roll of another type or a member that is no name is skipped, told
+    to ``warn``."""
+    with connection.pipeline(transaction=False) as p:
+        for q in queues:
+            p.exists(*(k for _, k in _count_keys(q)))
+            p.smembers(keys.workers_key(q))
+        replies = p.execute(raise_on_error=False)
+    held: list[str] = []
+    workers: set[str] = set()
+    for q, n, members in zip(queues, replies[::2], replies[1::2], strict=True):
+        if isinstance(n, int) and n > 0:
+            held.append(q)
+        if isinstance(members, Exception):
+            warn(f"skipped {keys.workers_key(q)}: {members}")
+            continue
+        names = {m: _name(m) for m in members}
+        if bad := [m for m, name in names.items() if name is None]:
+            warn(
+                f"skipped {len(bad)} member(s) of {keys.workers_key(q)} that are no worker "
+                f"name (one: {shown(min(bad))})"
+            )
+        workers.update(name for name in names.values() if name is not None)
+    return held, sorted(workers)
+
+
+# -- jobs a worker claimed and has not started ---------------------------------------------
+#
+# A worker claims jobs ahead of its free rows (claim.lua): each moves from the queue's list
+# into the worker's WIP list, its record still ``status: queued`` (with ``mlxq_owner``), until
+# it starts. Such a job is in neither rq's queue list nor a registry: these reads find it.
+
+
+def read_wips(p: redis.client.Pipeline, workers: list[str]) -> None:
+    """Queue on ``p`` the reads :func:`held_ids` parses: each worker's WIP list, at most
+    :data:`MAX_HELD` entries."""
+    for w in workers:
+        p.lrange(keys.wip_key(w), 0, MAX_HELD - 1)
+
+
+def held_ids(workers: list[str], replies: Iterator[Any], warn: Warn) -> dict[str, str]:
+    """The ids in the workers' WIP lists (the next ``len(workers)`` replies of
+    :func:`read_wips`), each once, with the worker holding it: running and buffered alike
+    (the job's own status tells them apart). A list of another type, or an entry that is
+    no job id, is skipped, told to ``warn``."""
+    out: dict[str, str] = {}
+    for w in workers:
+        ids = next(replies)
+        if isinstance(ids, Exception):
+            warn(f"skipped {keys.wip_key(w)}: {ids}")
+            continue
+        bad = []
+        for raw in ids:
+            job_id = text(raw)
+            if job_id is not None and JOB_ID.fullmatch(job_id):
+                out.setdefault(job_id, w)
+            else:
+                bad.append(raw)
+        if bad:
+            warn(
+                f"skipped {len(bad)} entries of {keys.wip_key(w)} that are no job id "
+                f"(one: {shown(min(bad))})"
+            )
+    return out
+
+
+def buffered(
+    connection: redis.Redis, queues: Collection[str], workers: list[str], warn: Warn
+) -> dict[str, list[str]]:
+    """The jobs of ``queues`` that ``workers`` claimed and have not started, by queue
+    (each worker's in the order it claimed them); two pipelines, none without workers.
+
+    A job counts where its record says ``status: queued`` and its ``origin`` (the queue it
+    was claimed from) is one of ``queues``; a record of another type is skipped, told to
+    ``warn``.
+    """
+    if not workers:
+        return {}
+    with connection.pipeline(transaction=False) as p:
+        read_wips(p, workers)
+        held = held_ids(workers, iter(p.execute(raise_on_error=False)), warn)
+    if not held:
+        return {}
+    with connection.pipeline(transaction=False) as p:
+        for job_id in held:
+            p.hmget(keys.job_key(job_id), "status", "origin")
+        rows = p.execute(raise_on_error=False)
+    out: dict[str, list[str]] = {}
+    for job_id, row in zip(held, rows, strict=True):
+        if isinstance(row, Exception):
+            warn(f"skipped job {job_id} ({keys.job_key(job_id)}): {row}")
+            continue
+        q = text(row[1])
+        if text(row[0]) == "queued" and q is not None and q in queues:
+            out.setdefault(q, []).append(job_id)
+    return out
+
+
+def _count_keys(queue: str) -> list[tuple[str, str]]:
+    """(state, key) of each key the counts of ``queue`` read."""
+    return [("queued", keys.queue_key(queue)), *((s, k(queue)) for s, k in REGISTRIES.items())]
 
 
 def _counts_of(queue: str, replies: Iterator[Any]) -> tuple[dict[str, int], list[str]]:
@@ -155,16 +259,22 @@ def _counts_of(queue: str, replies: Iterator[Any]) -> tuple[dict[str, int], list
 def queue_counts(
     connection: redis.Redis, queues: Iterable[str], warn: Warn, keep: Collection[str] = ()
 ) -> dict[str, dict[str, int]]:
-    """Each queue's jobs by state (:data:`COUNTS`), sorted by name.
+    """Each queue's jobs by state (:data:`COUNTS`, then ``buffered``), sorted by name.
 
-    Two pipelines, whatever the number of queues (rq never forgets a queue name, so there
-    may be thousands): the first finds the queues that hold anything, the second counts
-    those. A queue with no jobs is left out unless it is in ``keep`` (those a worker
-    serves); a queue whose list or a registry has another type is left out, told to
-    ``warn``.
+    ``queued`` counts every job waiting to start: those in rq's queue list and those a
+    worker claimed ahead of a free row (:func:`buffered`), which ``buffered`` counts
+    apart (a part of ``queued``, not beside it).
+
+    A few pipelines, whatever the number of queues (rq never forgets a queue name, so
+    there may be thousands): the first finds the queues that hold anything and the
+    workers that serve them, two more the jobs those workers hold, the last counts. A
+    queue with no jobs is left out unless it is in ``keep`` (those a worker serves); a
+    queue whose list or a registry has another type is left out, told to ``warn``.
     """
     names = sorted(set(queues))
-    wanted = sorted(set(holding(connection, names)) | (set(keep) & set(names)))
+    holds, workers = survey(connection, names, warn)
+    held = buffered(connection, set(names), workers, warn)
+    wanted = sorted(set(holds) | (set(keep) & set(names)) | set(held))
     now = time.time()
     with connection.pipeline(transaction=False) as p:
         for q in wanted:
@@ -181,7 +291,10 @@ def queue_counts(
         counts, wrong = _counts_of(q, replies)
         if wrong:
             warn(f"skipped queue {shown(q)}: {'; '.join(wrong)}")
-        elif q in keep or any(counts.values()):
+            continue
+        counts["buffered"] = len(held.get(q, ()))
+        counts["queued"] += counts["buffered"]
+        if q in keep or any(counts.values()):
             out[q] = counts
     return out
 

@@ -305,7 +305,8 @@ def test_info_json_contract(redis_server, queue_name, start_worker):
         check=True,
     )
     doc = json.loads(out.stdout)
-    assert set(doc["queues"][queue_name]) == {"queued", "started", "finished", "failed", "canceled"}
+    counts = ("queued", "started", "finished", "failed", "canceled", "buffered")
+    assert set(doc["queues"][queue_name]) == set(counts)
     assert doc["queues"][queue_name]["finished"] == 1
     (w,) = [w for w in doc["workers"] if w["queue"] == queue_name]
     for k, t in (

@@ -32,7 +32,7 @@ from opshelp import mlxq as mlxq_cli
 from opshelp import wait_for
 from rq import Queue
 
-from mlxq.producer import Client, keys
+from mlxq.producer import Client, JobFailed, keys
 from mlxq.producer.info import collect
 from mlxq.producer.listing import job_details, recent_jobs
 from mlxq.producer.shared import REGISTRIES
@@ -420,6 +420,90 @@ def test_api_key(gateways, queue):
         assert e.value.code == 401
     for path in ("/health", "/metrics", "/"):  # no secrets there
         assert urllib.request.urlopen(f"{gateways['keyed'].url}{path}", timeout=30).status == 200
+
+
+# -- the dashboard's buttons: POST /dashboard/api/jobs/<id>/cancel and .../retry ----------------
+
+
+def _post(url: str, key: str | None = None, json_body: bool = True) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"} if json_body else {}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
+    if not json_body:
+        req.remove_header("Content-type")  # urllib adds a form's type to a body otherwise
+    try:
+        with urllib.request.urlopen(req, timeout=60) as res:
+            return res.status, json.loads(res.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_dashboards_actions_need_the_key_and_json(gateways, mlxq):
+    job = mlxq.submit("stays queued", max_tokens=2, queue=f"idle-{uuid.uuid4().hex[:8]}")
+    keyed = f"{gateways['keyed'].url}/dashboard/api/jobs"
+    try:
+        for action in ("cancel", "retry"):
+            status, body = _post(f"{keyed}/{job.id}/{action}")
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+            status, body = _post(f"{keyed}/{job.id}/{action}", key="k-123", json_body=False)
+            assert status == 415 and "application/json" in body["error"]["message"]
+            for bad in ("no-such-job", "not%20an%20id", "x" * 300):
+                status, body = _post(f"{keyed}/{bad}/{action}", key="k-123")
+                assert status == 404 and body["error"]["code"] == "job_not_found", bad
+        assert job.status() == "queued"  # nothing above touched it
+        status, body = _post(f"{keyed}/{job.id}/retry", key="k-123")
+        assert status == 409 and body["error"]["code"] == "job_not_ended"
+        status, body = _post(f"{keyed}/{job.id}/cancel", key="k-123")
+        assert (status, body["result"]) == (200, "canceled") and job.status() == "canceled"
+    finally:
+        job.cancel()
+
+
+def test_retry_runs_a_canceled_job_again_with_its_request(gw, mlxq, queue, r):
+    url = f"{gw.url}/dashboard/api/jobs"
+    canceled = keys.canceled_registry(queue)
+    job = mlxq.submit("A long tale", **LONG)
+    next(iter(job.stream(timeout=60)))  # it runs: its stream has begun
+    status, body = _post(f"{url}/{job.id}/cancel")
+    assert status == 200 and body["result"] in ("canceled", "cancel_requested")
+    with pytest.raises(JobFailed, match="canceled"):
+        job.result(timeout=60)
+    status, body = _post(f"{url}/{job.id}/cancel")
+    assert status == 409 and body["error"]["code"] == "job_ended"
+
+    assert r.zscore(canceled, job.id) is not None and r.ttl(keys.job_key(job.id)) > 0
+    status, body = _post(f"{url}/{job.id}/retry")
+    assert (status, body["result"]) == (200, "requeued")
+    # Out of the canceled registry; its record kept as long as it waits (and runs).
+    assert r.zscore(canceled, job.id) is None and r.ttl(keys.job_key(job.id)) == -1
+    status, body = _post(f"{url}/{job.id}/retry")  # once: it is queued (or running) now
+    assert status == 409 and body["error"]["code"] == "job_not_ended"
+    # The new attempt streams from its start, never the canceled run's end, and runs the
+    # request it was submitted with: the text a fresh submit of it makes.
+    streamed = "".join(c.text for c in job.stream(timeout=120))
+    result = job.result(timeout=60)
+    assert streamed == result.text
+    assert result.text == mlxq.submit("A long tale", **LONG).result(timeout=120).text
+    details = job_details(r, job.id)
+    assert details is not None and details["attempts"] == 2 and details["failure_reason"] is None
+    status, body = _post(f"{url}/{job.id}/retry")
+    assert status == 409 and body["error"]["code"] == "job_finished"
+
+
+def test_retry_of_a_failed_job_runs_it_again(gw, mlxq, queue, r):
+    failed = keys.failed_registry(queue)
+    job = mlxq.submit("Too long", max_tokens=4000)  # past the model's context: it fails
+    with pytest.raises(JobFailed) as first:
+        job.result(timeout=60)
+    assert r.xlen(keys.results_key(job.id)) == 1
+    status, body = _post(f"{gw.url}/dashboard/api/jobs/{job.id}/retry")
+    assert (status, body["result"]) == (200, "requeued")
+    # It ran again (and failed again, the same way): a second outcome in rq's result log.
+    wait_for(lambda: r.xlen(keys.results_key(job.id)) == 2, "the retried job's end")
+    with pytest.raises(JobFailed) as again:
+        job.result(timeout=60)
+    assert again.value.reason == first.value.reason and r.zscore(failed, job.id) is not None
 
 
 # -- service tiers: --service-tier runs a tier on a queue of its own ----------------------------

@@ -96,7 +96,7 @@ def _wait_started(job: Any) -> None:
 def test_info_lists_a_served_queue_before_any_submit(shared):
     doc = shared.info_before_any_submit
     assert doc["queues"][shared.queue] == dict.fromkeys(
-        ("queued", "started", "finished", "failed", "canceled"), 0
+        ("queued", "started", "finished", "failed", "canceled", "buffered"), 0
     )
     (w,) = [w for w in doc["workers"] if w["name"] == shared.name]
     assert w["alive"] is True and w["queue"] == shared.queue

@@ -1,7 +1,9 @@
 """The dashboard in a real headless browser (Debian's Chromium, driven by Playwright)
 against a real ``mlxq serve`` and a real worker: it loads, shows the worker and a job
 submitted after it loaded, follows that job's stream, and never reloads; a worker that
-serves two levels shows its queues grouped by level and the rows it paused.
+serves two levels shows its queues grouped by level and the rows it paused. Its first
+paint has the state (no request needed), jobs newest first, a failed job's reason, and
+cancel and retry buttons that work, behind the API key where there is one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 from opshelp import wait_for
 
-from mlxq.producer import Client
+from mlxq.producer import Client, JobFailed
 
 pytestmark = pytest.mark.e2e
 
@@ -141,3 +143,84 @@ def test_dashboard_groups_queues_by_level_and_shows_paused_rows(
     expect(row.locator("td.paused")).to_have_text("0", timeout=WAIT_MS)
     expect(row.locator("td.pauses")).to_have_text("1 / 1", timeout=WAIT_MS)
     assert low.cancel()
+
+
+def _ours(page: Any, ids: list[str]) -> list[str]:
+    """The page's job rows, top to bottom, of these jobs only."""
+    rows = page.locator("#jobs tr[data-job]").evaluate_all("rs => rs.map(r => r.dataset.job)")
+    return [i for i in rows if i in ids]
+
+
+def test_first_paint_jobs_newest_first_reasons_cancel_and_retry(
+    browser, start_worker, start_gateway, queue_name, redis_server, tmp_path: Path
+):
+    from playwright.sync_api import expect
+
+    worker = start_worker()
+    idle = f"{queue_name}-idle"  # no worker yet: its job waits there until one starts
+    waiting = Client(redis_server.url, queue=idle).submit("Wait", max_tokens=8, temperature=0.0)
+    client = Client(redis_server.url, queue=queue_name)
+    done = client.submit("Done", max_tokens=4, temperature=0.0)
+    done.result(timeout=60)
+    bad = client.submit("Too long", max_tokens=4000)  # past the model's context: it fails
+    with pytest.raises(JobFailed) as failed:
+        bad.result(timeout=60)
+    assert "context" in failed.value.reason
+    ids = [waiting.id, done.id, bad.id]
+
+    gateway = start_gateway()
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    # Every poll refused: what shows is what the page came with, painted on load.
+    page.route("**/dashboard/api/state", lambda route: route.abort())
+    page.goto(f"{gateway.url}/")
+    shot = tmp_path / "first-paint.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"first paint: {shot}")
+    assert page.locator(f'#workers tr[data-worker="{worker.name}"]').count() == 1
+    assert page.locator(f'#queues tr[data-queue="{queue_name}"]').count() == 1
+    assert page.locator("#status").text_content() != "connecting..."
+    # Newest first; the failed job says why.
+    assert _ours(page, ids) == [bad.id, done.id, waiting.id]
+    bad_row = page.locator(f'#jobs tr[data-job="{bad.id}"]')
+    assert bad_row.locator(".st").text_content() == "failed"
+    assert bad_row.locator(".reason").text_content() == failed.value.reason
+    assert page.locator(f'#jobs tr[data-job="{done.id}"] .reason').text_content() == ""
+    # Buttons by state: an ended job has no cancel, a queued one no retry.
+    assert page.locator(f'#jobs tr[data-job="{done.id}"] button').count() == 0
+    assert bad_row.locator("button").all_text_contents() == ["retry"]
+    waiting_row = page.locator(f'#jobs tr[data-job="{waiting.id}"]')
+    assert waiting_row.locator("button").all_text_contents() == ["cancel"]
+    page.unroute("**/dashboard/api/state")
+
+    waiting_row.locator('button[data-action="cancel"]').click()
+    expect(waiting_row.locator(".st")).to_have_text("canceled", timeout=WAIT_MS)
+    expect(page.locator("#notice")).to_contain_text("canceled")
+    assert waiting.status() == "canceled"
+    waiting_row.locator('button[data-action="retry"]').click()
+    expect(waiting_row.locator(".st")).to_have_text("queued", timeout=WAIT_MS)
+    assert _ours(page, ids)[0] == waiting.id  # queued again just now: the newest
+    start_worker(idle)
+    expect(waiting_row.locator(".st")).to_have_text("finished", timeout=WAIT_MS)
+    again = Client(redis_server.url, queue=idle).submit("Wait", max_tokens=8, temperature=0.0)
+    assert waiting.result(timeout=60).text == again.result(timeout=60).text
+
+
+def test_with_an_api_key_the_page_asks_for_it_before_it_shows_or_acts(
+    browser, start_gateway, queue_name, redis_server
+):
+    from playwright.sync_api import expect
+
+    job = Client(redis_server.url, queue=queue_name).submit("Wait", max_tokens=2)  # no worker
+    gateway = start_gateway(api_key="k-page")
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{gateway.url}/")
+    assert job.id not in page.content()  # the state is the key holder's: not in the page
+    expect(page.locator("#login")).to_be_visible(timeout=WAIT_MS)
+    expect(page.locator("#status")).to_have_text("API key needed")
+    page.fill("#key", "k-page")
+    page.press("#key", "Enter")
+    row = page.locator(f'#jobs tr[data-job="{job.id}"]')
+    expect(row.locator(".st")).to_have_text("queued", timeout=WAIT_MS)
+    row.locator('button[data-action="cancel"]').click()
+    expect(row.locator(".st")).to_have_text("canceled", timeout=WAIT_MS)
+    assert job.status() == "canceled"
