@@ -1,18 +1,19 @@
 """mlxq's Lua scripts: every multi-key change of a job's state, one atomic call each.
 
-Scripts live with the code that calls them: the producer's (``cancel``) in ``lua/`` here,
-the worker's in :mod:`mlxq.worker`'s ``lua/``. Each is sent as the key header (from
-:mod:`mlxq.producer.keys`), then the shared ``lib.lua`` (here), then its own body, so key
-names have one source. Each script has one typed wrapper beside it that owns its KEYS and
-ARGV order and parses its reply into a :class:`Call`; callers never build either list.
-Scripts run by SHA; after a Redis restart (which empties the script cache) they are loaded
-again and the call retried: every mlxq script is idempotent for that reason.
+Scripts live with the code that calls them: the producer's (``submit``, ``cancel``) in
+``lua/`` here, the worker's in :mod:`mlxq.worker`'s ``lua/``. Each is sent as the key
+header (from :mod:`mlxq.producer.keys`), then the shared ``lib.lua`` (here), then its own
+body, so key names have one source. Each script has one typed wrapper beside it that owns
+its KEYS and ARGV order and parses its reply into a :class:`Call`; callers never build
+either list. Scripts run by SHA; after a Redis restart (which empties the script cache)
+they are loaded again and the call retried: every mlxq script is idempotent for that
+reason.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
@@ -85,6 +86,7 @@ def run(client: redis.Redis, calls: Sequence[Call[Any]]) -> list[Any]:
 # -- the producer's scripts ---------------------------------------------------------------
 
 CANCEL = load("mlxq.producer", "cancel")
+SUBMIT = load("mlxq.producer", "submit")
 
 
 def _text(v: Any) -> str:
@@ -95,3 +97,24 @@ def cancel(job_id: str, now: datetime) -> Call[str]:
     """Cancel a job: ``nosuch``, ``ended``, ``canceled`` or ``requested``."""
     args: list[Arg] = [job_id, now.timestamp(), utcformat(now), keys.DEFAULT_FAILURE_TTL, NOTICE]
     return Call(CANCEL, [], args, _text)
+
+
+def _words(v: Any) -> list[str]:
+    return [_text(x) for x in v]
+
+
+def submit(
+    queue_key: str,
+    max_queued: int | None,
+    records: Sequence[tuple[str, Mapping[str, Arg]]],
+    check_too: Sequence[str] = (),
+) -> Call[list[str]]:
+    """Enqueue jobs (each its id and rq's record fields) once every check passed, ids
+    ``check_too`` included: ``ok``, or why nothing was written (``queue <type>``,
+    ``full <queued>``, ``live <id> <status>``, ``taken <id> <type>``, ``oom``)."""
+    args: list[Arg] = [-1 if max_queued is None else max_queued, len(check_too), *check_too]
+    for job_id, fields in records:
+        args += [job_id, len(fields)]
+        for name, value in fields.items():
+            args += [name, value]
+    return Call(SUBMIT, [queue_key, keys.RQ_QUEUES], args, _words)
