@@ -66,5 +66,5 @@ def served(connection: redis.Redis, queue: str) -> bool:
     names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
     with connection.pipeline(transaction=False) as p:
         for name in names:
-            p.exists(keys.alive_key(name))
-        return any(p.execute())
+            p.type(keys.alive_key(name))
+        return any(keys.lease_held(t) for t in p.execute())

@@ -248,9 +248,9 @@ class Gateway:
             # seconds, so that is what says whether it is alive.
             with self.redis.pipeline(transaction=False) as p:
                 for w in unknown:
-                    p.exists(keys.alive_key(w["name"]))
+                    p.type(keys.alive_key(w["name"]))
                 for w, held in zip(unknown, p.execute(), strict=True):
-                    w["alive"] = bool(held)
+                    w["alive"] = keys.lease_held(held)
         for w in doc["workers"]:
             w["started_at"] = self._birth(w["name"])
         return doc
