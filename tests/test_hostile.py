@@ -626,7 +626,9 @@ def test_a_queue_of_another_type_leaves_idle_workers_quiet(
     assert per_s < 20, f"{per_s:.0f} claims a second: it spins"  # a spin makes thousands
     assert w.output().count(said) == 1, "said once"
     r.delete(queue)
+    r.rpush(queue, b"")  # an empty id is an entry like any other: dropped as no id
     assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+    assert "dropped queue entry b''" in w.output() and "Traceback" not in w.output()
 
 
 def test_a_failed_start_leaves_the_name_free_and_a_dead_ones_is_taken_over(

@@ -72,9 +72,14 @@ def _written(name: str, k: WorkerKeys, reply: Any) -> None:
         raise redis.exceptions.OutOfMemoryError(f"{name}: refused (out of memory)")
 
 
+def _shared(e: Any) -> bool:
+    """Whether a reply's entry is the one of the keys a script's jobs share."""
+    return not e[0] and len(e) > 2 and e[1] == b"keys"
+
+
 def _jobs(reply: list[Any]) -> list[Any]:
     """A script's entries of jobs (the one of the keys its jobs share left out)."""
-    return [e for e in reply if e[0]]
+    return [e for e in reply if not _shared(e)]
 
 
 def _healed(reply: list[Any], at: int, verdicts: tuple[str, ...] = ()) -> list[tuple[str, str]]:
@@ -83,7 +88,7 @@ def _healed(reply: list[Any], at: int, verdicts: tuple[str, ...] = ()) -> list[t
     keys its jobs share."""
     jobs = [e for e in _jobs(reply) if not verdicts or text(e[1]) in verdicts]
     out = [(text(e[0]), text(e[at])) for e in jobs if len(e) > at and e[at]]
-    return out + [("", text(e[2])) for e in reply if not e[0]]
+    return out + [("", text(e[2])) for e in reply if _shared(e)]
 
 
 def _zlib_text(reason: str) -> bytes:

@@ -219,7 +219,7 @@ def _claimed(k: WorkerKeys, out: Any) -> list[Claimed]:
     claimed = []
     for e in out:
         verdict = text(e[1])
-        if not e[0]:  # news of a key, not a job
+        if not e[0] and verdict in _KEY_NEWS:  # news of a key, not of a job
             _key_news(k, verdict, text(e[2]))
             continue
         if verdict == "ok":
@@ -239,6 +239,11 @@ def _claimed(k: WorkerKeys, out: Any) -> list[Claimed]:
         else:
             claimed.append(Claimed(e[0], verdict, detail=" ".join(text(x) for x in e[2:])))
     return claimed
+
+
+#: What a claim may say of a key rather than of a job (its entry's id is empty; an empty
+#: id popped from a queue is a job entry, dropped as no id).
+_KEY_NEWS = frozenset({"wip", "queue", "keys"})
 
 
 def _key_news(k: WorkerKeys, what: str, detail: str) -> None:
