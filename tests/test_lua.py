@@ -71,6 +71,14 @@ SHARED = {
 }
 
 
+def _drop_junk(r, *keys_: str) -> None:
+    """Delete what a test left a string: other tests' readers of every queue (``mlxq
+    info``) share this Redis."""
+    for key in keys_:
+        if r.type(key) == b"string":
+            r.delete(key)
+
+
 def _claimed(bridge, client):
     job = client.submit("a job", max_tokens=4)
     (c,) = bridge.claim(1)
@@ -125,6 +133,7 @@ def test_a_start_and_end_land_whole_whatever_type_their_keys_hold(
             assert r.zscore(keys.started_registry(queue_name), f"{job.id}:e1") is None
     finally:
         bridge.unregister(settled=True)
+        _drop_junk(r, key)
 
 
 @pytest.mark.parametrize("what", sorted(SHARED))
@@ -160,6 +169,7 @@ def test_a_job_given_back_or_reaped_goes_back_whole_whatever_type_its_keys_hold(
     finally:
         reaper.unregister(settled=True)
         dead.undo_register()  # nothing of it left for rq's readers in other tests
+        _drop_junk(r, key, keys.workers_key(queue_name))
 
 
 # -- submit and cancel: checked before they write ------------------------------------------
@@ -187,6 +197,7 @@ def test_a_live_jobs_id_is_refused_at_submit_and_nothing_is_queued(redis_server,
     with pytest.raises(JobIdInUse, match=f"rq:job:{taken} holds a string"):
         client.submit_many([dict(prompt="x", max_tokens=3)], job_ids=[taken])
     assert r.llen(keys.queue_key(queue_name)) == 1
+    _drop_junk(r, keys.job_key(taken))
 
 
 def test_an_ended_jobs_id_starts_a_new_job_in_its_place(redis_server, queue_name, start_worker, r):
@@ -232,3 +243,4 @@ def test_a_cancel_lands_whole_whatever_type_its_keys_hold(redis_server, queue_na
     _make_string(r, keys.queue_key(queue_name))  # it held the other: that entry is gone
     assert stranded.cancel() is True  # a cancel request: whoever holds it ends it canceled
     assert r.hget(keys.job_key(stranded.id), "mlxq_cancel") == b"1"
+    _drop_junk(r, keys.queue_key(queue_name))
