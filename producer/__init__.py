@@ -6,7 +6,15 @@ Imports neither MLX nor mlx-lm: it runs in any web backend.
 from mlxq.producer.aio import AsyncClient, AsyncJob
 from mlxq.producer.client import Client, Job, QueueFull, Result
 from mlxq.producer.codec import Chunk
-from mlxq.producer.errors import JobFailed, JobTimeout, MlxqError, NoSuchJob, PayloadError
+from mlxq.producer.errors import (
+    JobFailed,
+    JobIdInUse,
+    JobTimeout,
+    MlxqError,
+    NoSuchJob,
+    PayloadError,
+    QueueBroken,
+)
 from mlxq.producer.params import GenerationRequest, SamplingParams
 
 __all__ = [
@@ -17,10 +25,12 @@ __all__ = [
     "GenerationRequest",
     "Job",
     "JobFailed",
+    "JobIdInUse",
     "JobTimeout",
     "MlxqError",
     "NoSuchJob",
     "PayloadError",
+    "QueueBroken",
     "QueueFull",
     "Result",
     "SamplingParams",

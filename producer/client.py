@@ -13,11 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from rq import Queue
+from rq.job import JobStatus
+from rq.utils import now as rq_now
 
-from mlxq.producer import keys
+from mlxq.producer import keys, scripts
 from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.connection import connect
 from mlxq.producer.connection import redis_url as resolve_url
+from mlxq.producer.errors import JobIdInUse as JobIdInUse
+from mlxq.producer.errors import QueueBroken as QueueBroken
 from mlxq.producer.errors import QueueFull as QueueFull
 from mlxq.producer.job import Job as Job
 from mlxq.producer.job import cancel_job as cancel_job
@@ -198,6 +202,7 @@ class Client:
                 nothing reached Redis.
             TypeError: a keyword argument it does not take.
             QueueFull: the queue holds ``max_queued`` jobs.
+            QueueBroken: the queue's Redis key is of another type (a rogue write).
         """
         check_names(options, "Client.submit()")
         return self.submit_many([{"prompt": prompt, **options}], queue=queue)[0]
@@ -218,13 +223,19 @@ class Client:
             job_ids: The jobs' ids, chosen by the caller (letters, digits, ``_`` and
                 ``-``), so it can record them before submitting (``mlxq run-batch`` does,
                 to re-attach after a crash instead of submitting again). Each must be
-                new: a job with the same id would be overwritten. None: fresh uuids.
+                new, or an ended job's (its records, result and log are replaced by the
+                new job's); the id of a job still queued or running is refused, and so
+                the whole call. None: fresh uuids.
             queue: The queue these jobs go to; None: the client's own. ``max_queued``
                 caps each queue on its own.
 
+        Nothing is queued unless every job is: each slice is one atomic script.
+
         Raises:
             ValueError: naming the job's index, the field and the value, or a bad queue.
+            JobIdInUse: (a ``ValueError``) naming the id that is a live job's.
             QueueFull: the queue would exceed ``max_queued``.
+            QueueBroken: the queue's Redis key is of another type (a rogue write).
         """
         q = self._rq_queue(queue)
         ids = _check_ids(job_ids, len(jobs))
@@ -236,45 +247,38 @@ class Client:
                 raise ValueError(f"jobs[{i}]: {e}") from None
             except ValueError as e:
                 raise type(e)(f"jobs[{i}]: {e}" if len(jobs) > 1 else str(e)) from None
-        datas = [
-            Queue.prepare_data(
-                keys.JOB_FUNC,
-                args=(r.to_payload(),),
-                description="mlxq generation",  # rq's default would copy the prompt
-                timeout=-1,  # no SIGALRM inside a batch; mlxq enforces its own deadlines
-                result_ttl=self.result_ttl,
-                failure_ttl=self.failure_ttl,
-                job_id=job_id,
-            )
-            for r, job_id in zip(reqs, ids, strict=True)
-        ]
-        if self.max_queued is not None:
-            return self._enqueue_capped(q, datas, self.max_queued)
+        records = [self._record(q, r, job_id) for r, job_id in zip(reqs, ids, strict=True)]
+        # One slice when capped: the cap is checked against all of them at once. Else in
+        # slices, so a worker starts on the first jobs of a big sweep while the rest are
+        # still being sent; the first slice checks every id the caller chose, so an id in
+        # use refuses the whole call before anything is queued.
+        step = max(1, len(records)) if self.max_queued is not None else SUBMIT_SLICE
+        chosen = [j for j in ids if j is not None]
         handles: list[Job] = []
-        # In slices, so a worker starts on the first jobs of a big sweep while the rest
-        # are still being sent.
-        for i in range(0, len(datas), SUBMIT_SLICE):
-            with self.redis.pipeline() as pipe:
-                rq_jobs = q.enqueue_many(datas[i : i + SUBMIT_SLICE], pipeline=pipe)
-                pipe.execute()
-            handles += [Job(self, j.id) for j in rq_jobs]
+        for i in range(0, len(records), step):
+            part = records[i : i + step]
+            later = chosen[i + step :] if i == 0 else []
+            verdict = scripts.call(
+                self.redis, scripts.submit(q.key, self.max_queued, part, check_too=later)
+            )
+            _refused(verdict, q, self.max_queued, ids)
+            handles += [Job(self, job_id) for job_id, _ in part]
         return handles
 
-    def _enqueue_capped(self, q: Queue, datas: list[Any], cap: int) -> list[Job]:
-        with self.redis.pipeline() as pipe:
-            while True:
-                try:
-                    # WATCH makes count-then-enqueue atomic across producers.
-                    pipe.watch(q.key)
-                    queued = pipe.llen(q.key)
-                    if queued + len(datas) > cap:
-                        raise QueueFull(f"queue {q.name!r} holds {queued} jobs (max_queued={cap})")
-                    pipe.multi()
-                    rq_jobs = q.enqueue_many(datas, pipeline=pipe)
-                    pipe.execute()
-                    return [Job(self, j.id) for j in rq_jobs]
-                except redis.WatchError:
-                    continue
+    def _record(self, q: Queue, req: GenerationRequest, job_id: str | None) -> tuple[str, Any]:
+        """A job's id and rq's record of it, as rq's ``enqueue_many`` would write it."""
+        job = q.create_job(
+            keys.JOB_FUNC,
+            args=(req.to_payload(),),
+            description="mlxq generation",  # rq's default would copy the prompt
+            timeout=-1,  # no SIGALRM inside a batch; mlxq enforces its own deadlines
+            result_ttl=self.result_ttl,
+            failure_ttl=self.failure_ttl,
+            job_id=job_id,
+            status=JobStatus.QUEUED,
+        )
+        job.origin, job.enqueued_at = q.name, rq_now()
+        return job.id, job.to_dict()
 
     def job(self, job_id: str) -> Job:
         """Re-attach to an existing job by id.
@@ -303,3 +307,34 @@ class Client:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _refused(verdict: list[str], q: Queue, cap: int | None, ids: list[str | None]) -> None:
+    """Raise why the submit script wrote nothing, if it did not write.
+
+    Raises:
+        QueueBroken: the queue's key is of another type.
+        QueueFull: the queue holds ``cap`` jobs.
+        JobIdInUse: a chosen id is a live job's, or its key is no job record.
+        redis.exceptions.OutOfMemoryError: Redis refused the write.
+    """
+    what, *rest = verdict
+    if what == "ok":
+        return
+    if what == "queue":
+        raise QueueBroken(
+            f"queue {q.name!r}: its key {q.key} holds a {rest[0]}, not a list (a rogue "
+            "write): nothing can be queued there until it is deleted (it holds no job)"
+        )
+    if what == "full":
+        raise QueueFull(f"queue {q.name!r} holds {rest[0]} jobs (max_queued={cap})")
+    if what == "oom":
+        raise redis.exceptions.OutOfMemoryError("submit: refused by Redis (out of memory)")
+    job_id, detail = rest
+    where = f"job_ids[{ids.index(job_id)}]={job_id!r}" if job_id in ids else f"job {job_id!r}"
+    if what == "live":
+        raise JobIdInUse(
+            f"{where}: a job of this id is still {detail or 'without a status'}, not ended: "
+            "an id must be new (or an ended job's, which it replaces)"
+        )
+    raise JobIdInUse(f"{where}: its key {keys.job_key(job_id)} holds a {detail}, not a job")

@@ -70,6 +70,16 @@ class QueueFull(MlxqError):
     """The queue holds ``max_queued`` jobs already; try later."""
 
 
+class QueueBroken(MlxqError):
+    """The queue's Redis key holds another type than a list (a rogue write): nothing can be
+    queued there until it is deleted (it holds no job). The message names the key."""
+
+
+class JobIdInUse(MlxqError, ValueError):
+    """A job id given to ``submit``/``submit_many`` is a live job's (queued or running), or
+    its key holds something that is no job record. The message names the id."""
+
+
 class BatchLocked(MlxqError):
     """Another ``mlxq run-batch`` run is writing the same output file."""
 

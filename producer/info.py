@@ -111,7 +111,7 @@ def _read_stats(
     with connection.pipeline(transaction=False) as p:
         for name in names:
             p.hget(keys.worker_stats_key(name), "stats")
-            p.exists(keys.alive_key(name))
+            p.type(keys.alive_key(name))
         replies = p.execute(raise_on_error=False)
     out = []
     for i, name in enumerate(names):
@@ -124,7 +124,7 @@ def _read_stats(
                 stats = decode_stats(raw)
         except ValueError as e:
             warn(f"skipped the stats of worker {name} ({keys.worker_stats_key(name)}): {e}")
-        out.append((stats, not isinstance(alive, Exception) and bool(alive)))
+        out.append((stats, keys.lease_held(alive)))
     return out
 
 

@@ -139,6 +139,14 @@ def alive_key(worker_name: str) -> str:
     return f"{ALIVE}{worker_name}"
 
 
+def lease_held(type_reply: object) -> bool:
+    """Whether a worker holds its lease, from the reply to ``TYPE`` of its
+    :func:`alive_key`: a string (its token). A key of another type (a rogue write) is
+    unreadable, so that worker counts as not live until it rewrites it (within a beat,
+    should it live) or a reaper deletes it."""
+    return type_reply in (b"string", "string")
+
+
 def workers_key(queue: str) -> str:
     """Names of the mlxq workers serving ``queue``, dead or alive (the reaper's roll)."""
     return f"{ROLL}{queue}"

@@ -173,8 +173,8 @@ def served(connection: redis.Redis, queue: str) -> bool:
     names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
     with connection.pipeline(transaction=False) as p:
         for name in names:
-            p.exists(keys.alive_key(name))
-        return any(r is True or r == 1 for r in p.execute(raise_on_error=False))
+            p.type(keys.alive_key(name))
+        return any(keys.lease_held(t) for t in p.execute(raise_on_error=False))
 
 
 def job_queue(connection: redis.Redis, job_id: str) -> str | None:

@@ -1,19 +1,19 @@
 """mlxq's Lua scripts: every multi-key change of a job's state, one atomic call each.
 
-Scripts live with the code that calls them: the producer's (``cancel``, ``retry``,
-``purge``) in ``lua/`` here, the worker's in :mod:`mlxq.worker`'s ``lua/``. Each is sent
-as the key header (from :mod:`mlxq.producer.keys`), then the shared ``lib.lua`` (here),
-then its own body, so key names have one source. Each script has one typed wrapper beside
-it that owns its KEYS and ARGV order and parses its reply into a :class:`Call`; callers
-never build either list.
-Scripts run by SHA; after a Redis restart (which empties the script cache) they are loaded
-again and the call retried: every mlxq script is idempotent for that reason.
+Scripts live with the code that calls them: the producer's (``submit``, ``cancel``,
+``retry``, ``purge``) in ``lua/`` here, the worker's in :mod:`mlxq.worker`'s ``lua/``.
+Each is sent as the key header (from :mod:`mlxq.producer.keys`), then the shared
+``lib.lua`` (here), then its own body, so key names have one source. Each script has one
+typed wrapper beside it that owns its KEYS and ARGV order and parses its reply into a
+:class:`Call`; callers never build either list. Scripts run by SHA; after a Redis restart
+(which empties the script cache) they are loaded again and the call retried: every mlxq
+script is idempotent for that reason.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
@@ -88,6 +88,7 @@ def run(client: redis.Redis, calls: Sequence[Call[Any]]) -> list[Any]:
 CANCEL = load("mlxq.producer", "cancel")
 RETRY = load("mlxq.producer", "retry")
 PURGE = load("mlxq.producer", "purge")
+SUBMIT = load("mlxq.producer", "submit")
 
 
 def _text(v: Any) -> str:
@@ -115,3 +116,24 @@ def purge(box: str, state: str, job_ids: Sequence[str]) -> Call[tuple[int, str]]
     state's registry) that are still in it and in that state: (how many, '') or (0, the
     type ``box`` holds instead of a list or zset)."""
     return Call(PURGE, [box], [state, NOTICE, *job_ids], _purged)
+
+
+def _words(v: Any) -> list[str]:
+    return [_text(x) for x in v]
+
+
+def submit(
+    queue_key: str,
+    max_queued: int | None,
+    records: Sequence[tuple[str, Mapping[str, Arg]]],
+    check_too: Sequence[str] = (),
+) -> Call[list[str]]:
+    """Enqueue jobs (each its id and rq's record fields) once every check passed, ids
+    ``check_too`` included: ``ok``, or why nothing was written (``queue <type>``,
+    ``full <queued>``, ``live <id> <status>``, ``taken <id> <type>``, ``oom``)."""
+    args: list[Arg] = [-1 if max_queued is None else max_queued, len(check_too), *check_too]
+    for job_id, fields in records:
+        args += [job_id, len(fields)]
+        for name, value in fields.items():
+            args += [name, value]
+    return Call(SUBMIT, [queue_key, keys.RQ_QUEUES], args, _words)

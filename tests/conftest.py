@@ -182,7 +182,8 @@ def start_worker(
     redis_server: RedisServer, tiny_model: Path, tmp_path: Path, queue_name: str
 ) -> Iterator[WorkerFactory]:
     """Start real workers: ``start_worker(max_batch=8, window_ms=50)``; ``queue`` may be a
-    list of ``--queue`` values (levels, first the highest)."""
+    list of ``--queue`` values (levels, first the highest); ``name`` a worker name of the
+    test's choosing (default: a fresh one)."""
     started: list[WorkerProcess] = []
 
     def start(
@@ -190,11 +191,12 @@ def start_worker(
         ready: bool = True,
         redis_url: str | None = None,
         model: Path | None = None,
+        name: str | None = None,
         **opts: object,
     ) -> WorkerProcess:
         values = [queue] if isinstance(queue, str) else list(queue or [queue_name])
         q, url = values[0].split(",")[0].split(":")[0], redis_url or redis_server.url
-        name = f"w{len(started)}-{uuid.uuid4().hex[:8]}"
+        name = name or f"w{len(started)}-{uuid.uuid4().hex[:8]}"
         args = ["--model", str(model or tiny_model), "--redis-url", url, "--name", name]
         for v in values:
             args += ["--queue", v]

@@ -480,3 +480,183 @@ def test_a_workers_own_lists_made_the_wrong_type_never_stop_it(
     assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
     _until(lambda: not r.sismember(keys.workers_key(queue_name), w.name))
     assert "Traceback" not in v.output()
+
+
+# -- issue 23: queue-wide keys ---------------------------------------------------------
+
+
+def test_a_workers_lease_made_another_type_is_rewritten_and_it_serves_on(
+    redis_server, queue_name, start_worker, r
+):
+    w = start_worker(max_batch=8)
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = _long_jobs(client, 40, tokens=300)
+    _wait_running(jobs, 8)
+    alive = keys.alive_key(w.name)
+    with r.pipeline() as p:  # mid-burst, in one step
+        p.delete(alive)
+        p.hset(alive, "x", "y")
+        p.execute()
+    for j in jobs:
+        assert j.result(timeout=120).finish_reason in ("stop", "length")
+        assert _results(r, j.id) == 1 and _attempts(r, j) == 1, "it kept its jobs"
+    assert r.type(alive) == b"string"
+    out = w.output()
+    assert f"{alive} was a hash" in out and "Traceback" not in out
+    assert out.count(alive) == 1, "said once, not once a turn"
+    assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+
+
+def test_an_unreadable_lease_reads_as_expired_and_its_worker_writes_nothing(
+    redis_server, queue_name, start_worker, r
+):
+    from mlxq.producer.batch.jobs import served
+
+    a = start_worker(max_batch=4, window_ms=0)
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = _long_jobs(client, 4, tokens=2000)
+    _wait_running(jobs, 4)
+    a.signal(signal.SIGSTOP)
+    time.sleep(0.2)
+    held = [j for j in jobs if j.status() == "started"]  # a random model may stop early
+    alive = keys.alive_key(a.name)
+    with r.pipeline() as p:  # no TTL: it would never lapse on its own
+        p.delete(alive)
+        p.hset(alive, "x", "y")
+        p.execute()
+    assert not served(r, queue_name), "a lease nobody can read holds nothing"
+    b = start_worker(max_batch=8, window_ms=0)  # reaps it: its lease reads as expired
+    for j in jobs:
+        assert j.result(timeout=120).finish_reason in ("stop", "length")
+    a.signal(signal.SIGCONT)
+    time.sleep(2)  # the woken worker had time to write, had it still thought it owned them
+    for j in jobs:
+        assert j.status() == "finished" and _results(r, j.id) == 1, j.id
+    assert held and all(_attempts(r, j) == 2 for j in held)
+    assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+    assert a.stop() == 0 and b.stop() == 0
+
+
+def test_a_roll_of_another_type_never_stops_requeuing(redis_server, queue_name, start_worker, r):
+    a = start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = _long_jobs(client, 4, tokens=1900)
+    _wait_running(jobs, 4)
+    b = start_worker(max_batch=4)
+    roll = keys.workers_key(queue_name)
+    stop = threading.Event()
+
+    def keep_it_junk() -> None:  # unreadable the whole time a dies and its jobs are found
+        while not stop.is_set():
+            _make_string(r, roll)
+            stop.wait(0.01)
+
+    rogue = threading.Thread(target=keep_it_junk, daemon=True)
+    rogue.start()
+    try:
+        a.signal(signal.SIGKILL)
+        a.proc.wait(10)
+        held = [j for j in jobs if j.status() == "started"]  # a random model may stop early
+        for j in jobs:
+            assert j.result(timeout=120).finish_reason in ("stop", "length")
+    finally:
+        stop.set()
+        rogue.join(10)
+    assert held and all(_attempts(r, j) == 2 for j in held)
+    # Healed by the live worker's beats, so a later death is found through it again.
+    _until(lambda: r.type(roll) == b"set" and r.sismember(roll, b.name))
+    c = start_worker(max_batch=4)
+    more = _long_jobs(client, 8, tokens=1900)
+    _until(lambda: r.llen(keys.wip_key(c.name)) > 0)
+    c.signal(signal.SIGKILL)
+    c.proc.wait(10)
+    for j in more:
+        assert j.result(timeout=180).finish_reason in ("stop", "length")
+    assert "Traceback" not in b.output()
+
+
+def test_shared_keys_of_another_type_never_leave_a_job_half_written(
+    redis_server, queue_name, start_worker, r
+):
+    w = start_worker(max_batch=4)
+    client = Client(redis_server.url, queue=queue_name)
+    for key in (
+        keys.started_registry(queue_name),
+        keys.rq_worker_executions(w.name),
+        keys.finished_registry(queue_name),
+        keys.rq_worker_key(w.name),
+    ):
+        _make_string(r, key)
+        job = client.submit("after a rogue write", max_tokens=4)
+        res = job.result(timeout=60)
+        assert job.status() == "finished" and r.ttl(keys.job_key(job.id)) > 0, key
+        assert "".join(c.text for c in job.stream(timeout=10)) == res.text
+    _make_string(r, keys.failed_registry(queue_name))
+    job = client.submit("y" * 300_000, max_tokens=3)  # fails before it starts
+    with pytest.raises(JobFailed, match="context"):
+        job.result(timeout=60)
+    assert job.status() == "failed" and r.ttl(keys.job_key(job.id)) > 0
+    _make_string(r, keys.canceled_registry(queue_name))
+    (long,) = _long_jobs(client, 1, tokens=1900)
+    _wait_running([long], 1)
+    assert long.cancel() is True
+    assert [c.finish_reason for c in long.stream(timeout=60)][-1] == "canceled"
+    assert long.status() == "canceled" and r.ttl(keys.job_key(long.id)) > 0
+    out = w.output()
+    assert w.proc.poll() is None and "Traceback" not in out and "was a string" in out
+
+
+def test_a_queue_of_another_type_leaves_idle_workers_quiet(
+    redis_server, queue_name, start_worker, r
+):
+    from mlxq.producer import QueueBroken
+
+    w = start_worker()
+    client = Client(redis_server.url, queue=queue_name)
+    queue = keys.queue_key(queue_name)
+    _make_string(r, queue)
+    with pytest.raises(QueueBroken, match=f"{queue} holds a string"):
+        client.submit("refused", max_tokens=3)
+    said = f"queue {queue} is a string"
+    _until(lambda: said in w.output())
+    first = _until(lambda: _stats(r, w.name) or None)
+    last = _until(lambda: (s := _stats(r, w.name))["updated_at"] >= first["updated_at"] + 3 and s)
+    claims = last["claim_calls"] - first["claim_calls"]
+    per_s = claims / (last["updated_at"] - first["updated_at"])
+    assert per_s < 20, f"{per_s:.0f} claims a second: it spins"  # a spin makes thousands
+    assert w.output().count(said) == 1, "said once"
+    r.delete(queue)
+    r.rpush(queue, b"")  # an empty id is an entry like any other: dropped as no id
+    assert client.submit("after", max_tokens=3).result(timeout=60).token_ids
+    assert "dropped queue entry b''" in w.output() and "Traceback" not in w.output()
+
+
+def test_a_failed_start_leaves_the_name_free_and_a_dead_ones_is_taken_over(
+    redis_server, queue_name, start_worker, r
+):
+    import socket
+
+    name = f"named-{queue_name}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        failed = start_worker(name=name, ready=False, metrics_port=port)
+        assert failed.proc.wait(60) == 1
+    assert "cannot serve metrics" in failed.output() and "Traceback" not in failed.output()
+    assert not r.exists(keys.rq_worker_key(name)) and not r.exists(keys.alive_key(name))
+    w = start_worker(name=name, max_batch=4)  # at once, under the same name
+    client = Client(redis_server.url, queue=queue_name)
+    jobs = _long_jobs(client, 2, tokens=1900)
+    _wait_running(jobs, 2)
+    twin = start_worker(name=name, ready=False)
+    assert twin.proc.wait(60) == 1 and f"worker name {name!r} is taken" in twin.output()
+    w.signal(signal.SIGKILL)
+    w.proc.wait(10)
+    held = [j for j in jobs if j.status() == "started"]  # a random model may stop early
+    assert held
+    again = start_worker(name=name, max_batch=4)  # no other worker: it takes back the jobs
+    for j in jobs:
+        assert j.result(timeout=120).finish_reason in ("stop", "length")
+    assert all(_attempts(r, j) == 2 for j in held)
+    assert "a previous worker of this name left" in again.output()

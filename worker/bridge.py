@@ -22,19 +22,23 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import redis
 from rq import Queue
 from rq.worker import SimpleWorker
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from mlxq.producer import keys, scripts
 from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.connection import connect
+from mlxq.producer.errors import SetupError
 from mlxq.worker import rq_compat
 from mlxq.worker import scripts as lua
 from mlxq.worker.config import WorkerConfig
+from mlxq.worker.logs import THROTTLE
 from mlxq.worker.scripts import Claimed, Now, WorkerKeys, text
 
 log = logging.getLogger("mlxq.worker")
@@ -64,6 +68,26 @@ POLL_S = 0.05
 def _wrong_type(e: redis.ResponseError) -> bool:
     """Whether Redis refused a command for a key of another type (a rogue write)."""
     return str(e).startswith("WRONGTYPE")
+
+
+def process_gone(value: str) -> bool:
+    """True when a lease value ``host:pid:nonce`` names a process of this host that no
+    longer exists."""
+    host, _, rest = value.partition(":")
+    return host == socket.gethostname() and _pid_gone(rest.partition(":")[0])
+
+
+def _pid_gone(pid: str) -> bool:
+    """True when ``pid`` (text) names no process of this host."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 class Bridge:
@@ -108,14 +132,153 @@ class Bridge:
     # -- lifecycle ---------------------------------------------------------------------
 
     def register(self) -> None:
+        """Take this worker's name, then enter rq's registries and the queues' rolls.
+
+        A dead predecessor of the same name (a worker killed, a start that failed) never
+        blocks it for long: what it left in its WIP list goes back to the queue, and its
+        registration in rq is replaced. Should a step fail, what was done is undone, so
+        a failed start never blocks the next one either.
+
+        Raises:
+            SetupError: a live worker holds this name.
+        """
         for s in lua.SCRIPTS.values():
             self.redis.script_load(s.source)
-        self.rq_worker.register_birth()
+        seen, stale = self._check_name()
+        try:
+            self._take_name(seen)
+            self._register_rq(stale)
+            self.set_state("idle")
+            self.beat()
+        except BaseException:
+            self.undo_register()
+            raise
+
+    def _check_name(self) -> tuple[str, bool]:
+        """Whether this worker's name is free to take: the lease value found ('' for none)
+        and whether rq holds a stale registration of the name (to replace).
+
+        Raises:
+            SetupError: a live worker holds the lease, or a process that may still run
+                holds rq's registration of the name.
+        """
+        held = self._lease_value()
+        if held is not None and not process_gone(held):
+            raise SetupError(
+                f"worker name {self.name!r} is taken: a live worker holds its lease "
+                f"({self.k.alive} = {held!r}); stop it or choose another --name (the lease "
+                f"of a worker that died lapses within {LEASE_MS // 1000} s)"
+            )
+        key = self.rq_worker.key
+        kind = text(self.redis.type(key))
+        if kind == "none":
+            return held or "", False
+        death, host, pid = (
+            [
+                text(v) if v is not None else ""
+                for v in self.redis.hmget(key, "death", "hostname", "pid")
+            ]
+            if kind == "hash"
+            else ["", "", ""]
+        )
+        if death or not host or not pid.isdigit():
+            return held or "", not death  # ended, or no registration rq could have made
+        if host == socket.gethostname() and (pid == str(os.getpid()) or _pid_gone(pid)):
+            return held or "", True
+        where = "this host" if host == socket.gethostname() else f"host {host!r}"
+        ttl = self.redis.ttl(key)
+        raise SetupError(
+            f"worker name {self.name!r} is taken: process {pid} of {where} registered it "
+            f"in rq ({key}) and may still run (stopped or frozen); stop it or choose another "
+            f"--name" + (f" (that registration expires in {ttl} s)" if ttl > 0 else "")
+        )
+
+    def _lease_value(self) -> str | None:
+        """This worker's lease as Redis holds it; None when none, or of another type."""
+        try:
+            v = self.redis.get(self.k.alive)
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+            return None
+        return None if v is None else text(v)
+
+    def _take_name(self, seen: str) -> None:
+        """Take the lease; what a dead predecessor of this name held goes back first."""
+        back = scripts.call(
+            self.redis, lua.rejoin(self.k, self.token, Now.read(), LEASE_MS, starting=seen)
+        )
+        if back < 0:
+            raise SetupError(
+                f"worker name {self.name!r} is taken: another worker took its lease "
+                f"({self.k.alive}) while this one started; choose another --name"
+            )
+        if back:
+            log.warning(
+                "worker %s: a previous worker of this name left %d entr%s in its WIP list: "
+                "given back to the queue",
+                self.name,
+                back,
+                "y" if back == 1 else "ies",
+            )
+
+    def _register_rq(self, stale: bool) -> None:
+        """rq's registration of this worker (``rq info``, ``mlxq info``), a stale one of
+        the name replaced, and its queues listed in rq's set of queues."""
+        if stale:
+            log.warning(
+                "worker %s: replaced the registration in rq (%s) that a previous worker of "
+                "this name left (its process is gone)",
+                self.name,
+                self.rq_worker.key,
+            )
+            self.redis.delete(self.rq_worker.key)
+        try:
+            self.rq_worker.register_birth()
+        except ValueError as e:  # rq's "There exists an active worker named ..."
+            raise SetupError(f"worker name {self.name!r} is taken: {e}") from None
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+            # Its set of workers (or of this queue's) is of another type: the rest of the
+            # registration went through; rq's listings only lack this worker.
+            THROTTLE.warning(
+                "rq-workers",
+                "rq's set of workers (%s) is of another type: this worker is not listed there (%s)",
+                keys.RQ_WORKERS,
+                e,
+            )
         # rq lists a queue once something was enqueued to it; a served queue is listed
         # (in `mlxq info`, `rq info`) from the moment its first worker starts.
-        self.redis.sadd(keys.RQ_QUEUES, *(k.queue for k in self.keys_of.values()))
-        self.set_state("idle")
-        self.beat()
+        try:
+            self.redis.sadd(keys.RQ_QUEUES, *(k.queue for k in self.keys_of.values()))
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+            THROTTLE.warning(
+                "rq-queues",
+                "rq's set of queues (%s) is of another type: these queues are not listed there",
+                keys.RQ_QUEUES,
+            )
+
+    def undo_register(self) -> None:
+        """Undo what :meth:`register` did (a start that failed): the lease, the rolls,
+        rq's registration; best effort, each step on its own."""
+        for step in (partial(self.unregister, True), self._forget_rq):
+            try:
+                step()
+            except Exception as e:  # Redis away: the lease lapses on its own
+                log.warning("undoing the registration: %s", e)
+
+    def _forget_rq(self) -> None:
+        """Off rq's sets of workers, and its registration gone (not kept a minute marked
+        dead, as a clean stop leaves it: this worker never served)."""
+        try:
+            self.rq_worker.register_death()
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+        self.redis.delete(self.rq_worker.key)
 
     def unregister(self, settled: bool) -> int:
         """Leave for good, in one script: lease and stats dropped (nothing is handed here
@@ -128,9 +291,29 @@ class Bridge:
         self.rq_worker.register_death()
         return n
 
+    def _rq(self, what: str, call: Callable[[], object]) -> None:
+        """One of rq's writes of this worker's registration: should its key have been made
+        another type (a rogue write), the registration is made again and the write retried."""
+        try:
+            call()
+            return
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+            THROTTLE.warning(
+                self.rq_worker.key,
+                "worker %s: its registration in rq (%s) was of another type at %s: made again",
+                self.name,
+                self.rq_worker.key,
+                what,
+            )
+        self.redis.delete(self.rq_worker.key)
+        self._register_rq(stale=False)
+        call()
+
     def set_state(self, state: str) -> None:
         if state != self._state:
-            self.rq_worker.set_state(state)
+            self._rq("set_state", partial(self.rq_worker.set_state, state))
             self._state = state
 
     def suspended(self) -> bool:
@@ -140,19 +323,27 @@ class Bridge:
         return bool(self.redis.exists(keys.RQ_SUSPENDED))
 
     def rq_heartbeat(self) -> None:
-        self.rq_worker.heartbeat()
+        self._rq("heartbeat", self.rq_worker.heartbeat)
 
     def beat(self) -> str:
-        """Keep the lease: ``ok``, ``renewed`` (it had lapsed, nobody took over) or
-        ``reaped`` (declared dead: nothing is this worker's any more). Jobs handed here
-        and left unclaimed past :data:`HAND_GRACE_MS` go back to the queue."""
-        verdict, _ = scripts.run(
+        """Keep the lease and stay on the rolls: ``ok``, ``renewed`` (it had lapsed, or was
+        made another type, and nobody took over) or ``reaped`` (declared dead: nothing is
+        this worker's any more). Jobs handed here and left unclaimed past
+        :data:`HAND_GRACE_MS` go back to the queue."""
+        (verdict, replaced), _ = scripts.run(
             self.redis,
             [
                 lua.beat(self.k, self.token, LEASE_MS),
                 lua.giveback(self.k, self.token, int(time.time() * 1000) - HAND_GRACE_MS),
             ],
         )
+        if replaced:
+            THROTTLE.warning(
+                f"beat {replaced}",
+                "worker %s: replaced keys of the wrong type (a rogue write): %s; serving on",
+                self.name,
+                replaced,
+            )
         return str(verdict)
 
     def rejoin(self) -> int:
@@ -163,11 +354,45 @@ class Bridge:
         return scripts.call(self.redis, lua.rejoin(self.k, self.token, Now.read(), LEASE_MS))
 
     def roll(self) -> list[tuple[str, str | None]]:
-        """Every worker on the roll of a queue this one serves, with its lease value
-        (None: none)."""
-        names = sorted({text(n) for r in self.k.rolls for n in self.redis.smembers(r)})
-        values = self.redis.mget([keys.alive_key(n) for n in names]) if names else []
-        return [(n, None if v is None else text(v)) for n, v in zip(names, values, strict=True)]
+        """Every worker that may hold jobs of a queue this one serves, with its lease value
+        (None: none, or a lease of another type, which reads as expired): those on the
+        queues' rolls, and those rq lists as serving them that still hold a WIP list (a
+        roll of another type is unreadable, and one replaced lost its dead workers: rq's
+        list finds them meanwhile)."""
+        rq_sets = [WORKERS_BY_QUEUE_KEY % q for q in self.queues]
+        with self.redis.pipeline(transaction=False) as p:
+            for key in (*self.k.rolls, *rq_sets):
+                p.smembers(key)
+            replies = p.execute(raise_on_error=False)
+        on_roll: set[str] = set()
+        listed: set[str] = set()
+        for i, (key, reply) in enumerate(zip((*self.k.rolls, *rq_sets), replies, strict=True)):
+            if isinstance(reply, Exception):
+                THROTTLE.warning(
+                    key, "%s cannot be read (%s): the worker list of rq stands in", key, reply
+                )
+                continue
+            names = {text(n) for n in reply}
+            if i < len(self.k.rolls):
+                on_roll |= names
+            else:
+                prefix = keys.RQ_WORKER
+                listed |= {n[len(prefix) :] for n in names if n.startswith(prefix)}
+        found = sorted(on_roll | self._holding(listed - on_roll - {self.name}))
+        if not found:
+            return []
+        values = self.redis.mget([keys.alive_key(n) for n in found])
+        return [(n, None if v is None else text(v)) for n, v in zip(found, values, strict=True)]
+
+    def _holding(self, names: set[str]) -> set[str]:
+        """Those of ``names`` whose WIP list exists (of any type)."""
+        if not names:
+            return set()
+        ordered = sorted(names)
+        with self.redis.pipeline(transaction=False) as p:
+            for n in ordered:
+                p.exists(keys.wip_key(n))
+            return {n for n, there in zip(ordered, p.execute(), strict=True) if there}
 
     def reap(self, worker: str, seen: str | None) -> list[str] | None:
         """Requeue a dead worker's jobs, each to its own queue, and take it off the rolls
@@ -185,6 +410,22 @@ class Bridge:
             rq_compat.sweep(self.redis, q)
 
     def write_stats(self, state: str, stats: dict[str, Any]) -> None:
+        try:
+            self._write_stats(state, stats)
+            return
+        except redis.ResponseError as e:
+            if not _wrong_type(e):
+                raise
+        THROTTLE.warning(
+            self.k.stats,
+            "worker %s: its stats %s were of another type: replaced",
+            self.name,
+            self.k.stats,
+        )
+        self.redis.delete(self.k.stats)
+        self._write_stats(state, stats)
+
+    def _write_stats(self, state: str, stats: dict[str, Any]) -> None:
         key = self.k.stats
         with self.redis.pipeline() as p:
             # Its free rows and load on their own: the hand script reads them (no msgpack).
@@ -228,7 +469,10 @@ class Bridge:
         except redis.ResponseError as e:
             if not _wrong_type(e):
                 raise
-            return None  # its WIP list made another type: the next claim replaces it
+            # The queue made another type (the claim said so), or its WIP list (the next
+            # claim replaces it): wait as long as a blocked move would, not spin.
+            time.sleep(timeout)
+            return None
         return raw if isinstance(raw, bytes) else None
 
     def wip(self) -> list[bytes]:

@@ -72,9 +72,23 @@ def _written(name: str, k: WorkerKeys, reply: Any) -> None:
         raise redis.exceptions.OutOfMemoryError(f"{name}: refused (out of memory)")
 
 
-def _healed(reply: list[Any], at: int) -> list[tuple[str, str]]:
-    """(id, what) for each entry of a script's reply that says it replaced a key."""
-    return [(text(e[0]), text(e[at])) for e in reply if len(e) > at and e[at]]
+def _shared(e: Any) -> bool:
+    """Whether a reply's entry is the one of the keys a script's jobs share."""
+    return not e[0] and len(e) > 2 and e[1] == b"keys"
+
+
+def _jobs(reply: list[Any]) -> list[Any]:
+    """A script's entries of jobs (the one of the keys its jobs share left out)."""
+    return [e for e in reply if not _shared(e)]
+
+
+def _healed(reply: list[Any], at: int, verdicts: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(id, what) for each entry of a script's reply that says it replaced a key (of a job
+    whose verdict is one of ``verdicts``: any, when none are given); ('', what) for the
+    keys its jobs share."""
+    jobs = [e for e in _jobs(reply) if not verdicts or text(e[1]) in verdicts]
+    out = [(text(e[0]), text(e[at])) for e in jobs if len(e) > at and e[at]]
+    return out + [("", text(e[2])) for e in reply if _shared(e)]
 
 
 def _zlib_text(reason: str) -> bytes:
@@ -110,7 +124,7 @@ def route(k: WorkerKeys, token: str, ttl: int, route_keys: Sequence[str]) -> Cal
 def _ended(k: WorkerKeys, reply: Any) -> FlushReply:
     _written("end", k, reply)
     out = FlushReply(healed=_healed(reply, 3))
-    for e in reply:
+    for e in _jobs(reply):
         out.ended[text(e[0])] = outcome_of(text(e[1]))
         if len(e) > 2 and text(e[2]) not in ("ok", "dup"):
             out.write_problems.append((text(e[0]), text(e[2])))
@@ -155,7 +169,7 @@ _FAILED = {"failed": Outcome.FAILED, "canceled": Outcome.CANCELED}
 def _failed(k: WorkerKeys, reply: Any) -> FlushReply:
     _written("fail", k, reply)
     out = FlushReply(healed=_healed(reply, 2))
-    out.settled.update({text(e[0]): _FAILED.get(text(e[1]), Outcome.DROPPED) for e in reply})
+    out.settled.update({text(e[0]): _FAILED.get(text(e[1]), Outcome.DROPPED) for e in _jobs(reply)})
     return out
 
 
@@ -199,7 +213,10 @@ def release(
 
 def _started(k: WorkerKeys, reply: Any) -> FlushReply:
     _written("start", k, reply)
-    return FlushReply(started={text(e[0]): text(e[1]) for e in reply}, healed=_healed(reply, 2))
+    return FlushReply(
+        started={text(e[0]): text(e[1]) for e in _jobs(reply)},
+        healed=_healed(reply, 2, ("ok",)),  # a refused start's third field is why
+    )
 
 
 def start(

@@ -14,16 +14,15 @@ watches rq's suspend key (``rq suspend`` / ``rq resume``).
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from mlxq.producer.connection import TRANSIENT
-from mlxq.worker.bridge import Bridge
+from mlxq.worker.bridge import Bridge, process_gone
 from mlxq.worker.held import Held
+from mlxq.worker.logs import THROTTLE
 from mlxq.worker.messages import CancelRequested, Inbox, Reaped, Suspended
 from mlxq.worker.stats import WorkerStats
 from mlxq.worker.threads import Helper
@@ -37,22 +36,6 @@ REFRESH_S = 60.0
 RQ_HEARTBEAT_S = 15.0
 #: How often rq's registries are swept of expired entries.
 SWEEP_S = 60.0
-
-
-def process_gone(value: str) -> bool:
-    """True when a lease value ``host:pid:nonce`` names a process of this host that no
-    longer exists."""
-    host, _, rest = value.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 class Liveness(Helper):
@@ -145,9 +128,10 @@ class Liveness(Helper):
             # data (the logs of running jobs went with it and must get their TTL again).
             self.on_renewed()
             if self._next:
-                log.warning(
-                    "worker %s: lease had lapsed (a stall, or Redis restarted); nobody took "
-                    "its jobs",
+                THROTTLE.warning(
+                    "lease lapsed",
+                    "worker %s: lease had lapsed or was unreadable (a stall, Redis restarted, "
+                    "or a rogue write); nobody took its jobs",
                     self.bridge.name,
                 )
 

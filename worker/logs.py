@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -29,6 +30,45 @@ QUIET = frozenset({Outcome.FINISHED, Outcome.CANCELED, Outcome.REQUEUED})
 EVENTS = ("queued_wait", "started", "finished", "failed", "canceled", "requeued", "timed_out")
 
 log = logging.getLogger("mlxq.worker")
+
+#: How often one recurring warning (:data:`THROTTLE`) is logged at most.
+THROTTLE_S = 60.0
+
+
+class Throttle:
+    """Warnings that may recur as fast as a loop turns (a rogue key rewritten as soon as it
+    is replaced, a queue of the wrong type polled) go out at most once per ``every``
+    seconds for each ``key``, the next one saying how many were held back meanwhile.
+
+    Args:
+        every: Seconds between two warnings of one key.
+        most: Keys remembered at most (the oldest are forgotten first).
+    """
+
+    def __init__(self, every: float = THROTTLE_S, most: int = 1024) -> None:
+        self.every, self.most = every, most
+        self._last: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args: Any) -> bool:
+        """Log ``msg % args`` unless ``key`` was logged within ``every`` s; whether it was."""
+        now = time.monotonic()
+        with self._lock:
+            last, held = self._last.pop(key, (-self.every, 0))
+            if now - last < self.every:
+                self._last[key] = (last, held + 1)
+                return False
+            self._last[key] = (now, 0)
+            while len(self._last) > self.most:
+                del self._last[next(iter(self._last))]
+        if held:
+            msg, args = msg + " (%d more like it since)", (*args, held)
+        log.warning(msg, *args)
+        return True
+
+
+#: The worker's one throttle of recurring warnings.
+THROTTLE = Throttle()
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}

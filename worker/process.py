@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from mlxq.producer.errors import SetupError
 from mlxq.producer.outcome import Outcome
 from mlxq.producer.params import MAX_PROMPT_CHARS
 from mlxq.worker.bridge import Bridge
@@ -98,14 +99,19 @@ class Worker:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
-        self.bridge.register()
-        if self.config.metrics_port is not None:
-            metrics = Metrics(self.stats)
-            port = metrics.serve(self.config.metrics_port, self.config.metrics_host)
-            self.loop.metrics = metrics
-            log.info("metrics at http://%s:%d/metrics", self.config.metrics_host, port)
-        for t in (self.sink, self.liveness, self.cancels, self.prefetch):
-            t.start()
+        self._serve_metrics()  # before registering: a port in use leaves nothing behind
+        try:
+            self.bridge.register()  # undoes itself should it fail: a failed start blocks no name
+        except BaseException:
+            self.loop.metrics.close()
+            raise
+        try:
+            for t in (self.sink, self.liveness, self.cancels, self.prefetch):
+                t.start()
+        except BaseException:
+            self.bridge.undo_register()
+            self.loop.metrics.close()
+            raise
         log.info(
             "worker %s serving %s with %s (max_batch=%d, window=%.0f ms)",
             self.name,
@@ -119,6 +125,26 @@ class Worker:
         finally:
             self._shutdown()
         return 0
+
+    def _serve_metrics(self) -> None:
+        """Serve Prometheus metrics when asked to.
+
+        Raises:
+            SetupError: the port cannot be bound (in use, not allowed).
+        """
+        if self.config.metrics_port is None:
+            return
+        host, port = self.config.metrics_host, self.config.metrics_port
+        metrics = Metrics(self.stats)
+        try:
+            port = metrics.serve(port, host)
+        except OSError as e:
+            raise SetupError(
+                f"cannot serve metrics on {host}:{port}: {e.strerror or e}; choose another "
+                "--metrics-port"
+            ) from None
+        self.loop.metrics = metrics
+        log.info("metrics at http://%s:%d/metrics", host, port)
 
     def _shutdown(self) -> None:
         self.prefetch.stop()

@@ -16,8 +16,10 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.worker_registration import clean_worker_registry
 
 from mlxq.producer.codec import MAX_JOB_DATA_BYTES, MsgpackSerializer
+from mlxq.worker.logs import THROTTLE
 from mlxq.worker.scripts import text
 
 log = logging.getLogger("mlxq.worker")
@@ -82,10 +84,30 @@ class _BoundedStartedRegistry(StartedJobRegistry):
 def sweep(connection: redis.Redis, queue: str) -> None:
     """rq's registry maintenance for ``queue``, with every job read bounded: expired
     entries leave the finished and failed registries; expired started ones (a run whose
-    worker vanished unseen) end failed, as rq's own cleanup does. rq's ready registry is
+    worker vanished unseen) end failed, as rq's own cleanup does; workers whose
+    registration expired leave rq's list of the queue's workers. A registry of another
+    type (a rogue write) is skipped with a warning. rq's ready registry is
     left alone: recovering it fetches jobs unbounded, and mlxq jobs never wait on
     dependencies."""
     kw: dict[str, Any] = {"name": queue, "connection": connection, "serializer": MsgpackSerializer}
-    FinishedJobRegistry(**kw).cleanup()
-    _BoundedStartedRegistry(job_class=BoundedJob, **kw).cleanup()
-    FailedJobRegistry(**kw).cleanup()
+    for registry in (
+        FinishedJobRegistry(**kw),
+        _BoundedStartedRegistry(job_class=BoundedJob, **kw),
+        FailedJobRegistry(**kw),
+    ):
+        try:
+            registry.cleanup()
+        except redis.ResponseError as e:
+            if not str(e).startswith("WRONGTYPE"):
+                raise
+            # A rogue write made it another type: it holds no entry to clean, and the
+            # next script that writes it replaces it.
+            THROTTLE.warning(registry.key, "sweep: skipped %s: %s", registry.key, e)
+    # rq's list of the queue's workers keeps a killed worker until its registration
+    # expired and someone cleans it; the reapers read it (Bridge.roll), so it is kept short.
+    try:
+        clean_worker_registry(Queue(queue, connection=connection))
+    except redis.ResponseError as e:
+        if not str(e).startswith("WRONGTYPE"):
+            raise
+        THROTTLE.warning(f"workers of {queue}", "sweep: skipped rq's workers of %s: %s", queue, e)

@@ -23,6 +23,7 @@ from mlxq.producer import keys
 from mlxq.producer.codec import MAX_JOB_DATA_BYTES, NOTICE
 from mlxq.producer.scripts import Arg, Call, Script, load
 from mlxq.worker.errors import LeaseLost
+from mlxq.worker.logs import THROTTLE
 
 log = logging.getLogger("mlxq.worker")
 
@@ -125,10 +126,14 @@ def script_call(
 # -- lease and roll (the heartbeat) -------------------------------------------------------
 
 
-def beat(k: WorkerKeys, token: str, lease_ms: int) -> Call[str]:
-    """Keep the lease: ``ok``, ``renewed`` or ``reaped``."""
+def beat(k: WorkerKeys, token: str, lease_ms: int) -> Call[tuple[str, str]]:
+    """Keep the lease and stay on the rolls: (``ok`` | ``renewed`` | ``reaped``, what was
+    replaced: '' for nothing)."""
     return script_call(
-        "beat", [k.alive, k.roll, k.reaped, *k.other_rolls], [token, k.worker, lease_ms], text
+        "beat",
+        [k.alive, k.roll, k.reaped, *k.other_rolls],
+        [token, k.worker, lease_ms],
+        lambda r: (text(r[0]), text(r[1])),
     )
 
 
@@ -151,10 +156,17 @@ def _reap_keys(k: WorkerKeys) -> list[str]:
     return [k.alive, k.wip, k.queue, k.roll, k.started, k.execs, k.reaped, k.canceled]
 
 
-def rejoin(k: WorkerKeys, token: str, now: Now, lease_ms: int) -> Call[int]:
-    """Start over under a new token: how many entries went back to the queue."""
+def rejoin(
+    k: WorkerKeys, token: str, now: Now, lease_ms: int, starting: str | None = None
+) -> Call[int]:
+    """Start over under a new token: how many entries went back to the queue. Starting
+    (``starting``: the lease value found, '' for none): -1, and nothing done, when the
+    lease holds another value by now."""
     args: list[Arg] = [token, k.worker, now.ts, now.text, keys.DEFAULT_FAILURE_TTL, NOTICE]
-    return script_call("rejoin", [*_reap_keys(k), *k.other_rolls], [*args, lease_ms], int)
+    args.append(lease_ms)
+    if starting is not None:
+        args.append(starting)
+    return script_call("rejoin", [*_reap_keys(k), *k.other_rolls], args, int)
 
 
 def _reaped(out: Any) -> list[str] | None:
@@ -207,13 +219,8 @@ def _claimed(k: WorkerKeys, out: Any) -> list[Claimed]:
     claimed = []
     for e in out:
         verdict = text(e[1])
-        if verdict == "wip":
-            log.warning(
-                "this worker's WIP list %s was a %s: replaced by an empty list (the jobs "
-                "it listed are not requeued should this worker die)",
-                k.wip,
-                text(e[2]),
-            )
+        if not e[0] and verdict in _KEY_NEWS:  # news of a key, not of a job
+            _key_news(k, verdict, text(e[2]))
             continue
         if verdict == "ok":
             handed, queue = e[6] == b"1", text(e[7]) if len(e) > 7 else k.queue_name
@@ -232,6 +239,32 @@ def _claimed(k: WorkerKeys, out: Any) -> list[Claimed]:
         else:
             claimed.append(Claimed(e[0], verdict, detail=" ".join(text(x) for x in e[2:])))
     return claimed
+
+
+#: What a claim may say of a key rather than of a job (its entry's id is empty; an empty
+#: id popped from a queue is a job entry, dropped as no id).
+_KEY_NEWS = frozenset({"wip", "queue", "keys"})
+
+
+def _key_news(k: WorkerKeys, what: str, detail: str) -> None:
+    if what == "wip":
+        THROTTLE.warning(
+            k.wip,
+            "this worker's WIP list %s was a %s: replaced by an empty list (the jobs "
+            "it listed are not requeued should this worker die)",
+            k.wip,
+            detail,
+        )
+    elif what == "queue":
+        THROTTLE.warning(
+            k.queue,
+            "queue %s is a %s, not a list (a rogue write): no job can be taken from it "
+            "until it is deleted (it holds none); looking again now and then",
+            k.queue,
+            detail,
+        )
+    else:
+        THROTTLE.warning(detail, "replaced keys of the wrong type: %s", detail)
 
 
 def claim(

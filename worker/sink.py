@@ -25,6 +25,7 @@ from mlxq.worker.bridge import Bridge
 from mlxq.worker.commit import commit
 from mlxq.worker.errors import LeaseLost
 from mlxq.worker.jobs import unstarted_error
+from mlxq.worker.logs import THROTTLE
 from mlxq.worker.messages import Ended, Inbox, Settled, Started, WriteFailed
 from mlxq.worker.writes import (
     ChunkWrite,
@@ -274,7 +275,10 @@ class Sink:
         if reply.settled:
             self.inbox.put(Settled(reply.settled))
         for job_id, what in reply.healed:
-            log.warning("job %s: replaced a key of the wrong type: %s", job_id, what)
+            if job_id:
+                log.warning("job %s: replaced a key of the wrong type: %s", job_id, what)
+            else:  # a key its jobs share: one an attacker may keep rewriting
+                THROTTLE.warning(what, "replaced a key of the wrong type: %s", what)
         for problem in reply.write_problems:
             log.warning("job %s: replay log write: %s", *problem)
             if problem[1] != "healed":

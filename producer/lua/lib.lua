@@ -33,22 +33,40 @@ local function drop_wrong_type(k, want)
   return nil
 end
 
+-- A worker's lease (its token), or nil: none, or a key of another type (a rogue write),
+-- which no token matches. Every script reads a lease through this: a worker whose own
+-- lease was made another type finds it lost (its next beat rewrites it, unless it was
+-- reaped meanwhile), and a reaper finds such a lease of another worker expired.
+local function lease(k)
+  local v = redis.pcall('GET', k)
+  if type(v) == 'string' then return v end
+  return nil
+end
+
+-- A key a script will write, made another type by a rogue write, makes that write raise,
+-- and a script that raises midway keeps what it wrote before it (a status without its
+-- TTL, an end without its last chunk). So every script fits each key it will write
+-- before its first write: one of another type is deleted (it holds nothing of mlxq's or
+-- rq's) and ``notes`` says so ('<key> was a <type>').
+local function fit(notes, k, want)
+  local t = drop_wrong_type(k, want)
+  if t then notes[#notes + 1] = k .. ' was a ' .. t end
+end
+
 -- A job's keys made the wrong type (a rogue SET) make every write to them raise, and a
 -- script that raises drops the writes of every other job it carries. So a script looks at
 -- a job's keys before it writes them: its result log, execution index and execution of
--- another type are deleted; its record, when it is no hash, is rebuilt from ``fields``,
--- but only for a job in ``wip`` (this worker's; ``wip`` nil: never). Returns what was
--- replaced ('' for nothing) and the record's state: 'ok', 'rebuilt' or 'foreign' (no hash
--- and not this worker's to rebuild: the caller must not touch it).
-local function heal(id, wip, fields, exec)
+-- another type are deleted, and so is each of ``more`` ({key, type} pairs: the registries
+-- of its queue the script will write); its record, when it is no hash, is rebuilt from
+-- ``fields``, but only for a job in ``wip`` (this worker's; ``wip`` nil: never). Returns
+-- what was replaced ('' for nothing) and the record's state: 'ok', 'rebuilt' or 'foreign'
+-- (no hash and not this worker's to rebuild: the caller must not touch it).
+local function heal(id, wip, fields, exec, more)
   local notes = {}
-  local function check(k, want)
-    local t = drop_wrong_type(k, want)
-    if t then notes[#notes + 1] = k .. ' was a ' .. t end
-  end
-  check(K_RESULTS .. id, 'stream')
-  check(K_EXECUTIONS .. id, 'zset')
-  if exec ~= nil and exec ~= '' then check(K_EXECUTION .. id .. ':' .. exec, 'hash') end
+  fit(notes, K_RESULTS .. id, 'stream')
+  fit(notes, K_EXECUTIONS .. id, 'zset')
+  if exec ~= nil and exec ~= '' then fit(notes, K_EXECUTION .. id .. ':' .. exec, 'hash') end
+  for _, kw in ipairs(more or {}) do fit(notes, kw[1], kw[2]) end
   local jk = jkey(id)
   local t = redis.call('TYPE', jk)['ok']
   local record = 'ok'
@@ -63,6 +81,13 @@ local function heal(id, wip, fields, exec)
     end
   end
   return table.concat(notes, '; '), record
+end
+
+-- A call's notes on the keys its jobs share (its worker's own, a registry), as the last
+-- entry of its reply: {'', 'keys', notes}; nothing when none was replaced.
+local function shared_note(out, notes)
+  if #notes > 0 then out[#out + 1] = {'', 'keys', table.concat(notes, '; ')} end
+  return out
 end
 
 -- The queue job ``id`` came from: rq's ``origin`` in its record, or nil when that names no
@@ -154,11 +179,16 @@ local function write_chunk(id, seq, data, ttl, expire)
 end
 
 -- Give a held job back to the queue's front (or end it canceled when a cancel is pending).
--- ``owns(owner)`` says whether the caller may touch it. Returns 'requeued', 'canceled',
--- 'skipped' (not the caller's, or already gone from ``wip``) or 'ended'.
+-- ``owns(owner)`` says whether the caller may touch it. The caller fits the keys its jobs
+-- share (``c.wip``, ``c.worker_execs``) first. Returns 'requeued', 'canceled', 'skipped'
+-- (not the caller's, or already gone from ``wip``) or 'ended'.
 local function requeue_one(id, c, owns, clean)
   local jk = jkey(id)
-  local _, record = heal(id, c.wip, {'status', 'queued'}, nil)
+  local o = origin(id)
+  local _, record = heal(id, c.wip, {'status', 'queued'}, nil,
+                         {{okey(o, K_STARTED, c.started), 'zset'},
+                          {okey(o, K_CANCELED, c.canceled), 'zset'},
+                          {okey(o, K_QUEUE, c.queue), 'list'}})
   if record == 'foreign' then
     redis.call('LREM', c.wip, 1, id)
     return 'skipped'
@@ -166,12 +196,13 @@ local function requeue_one(id, c, owns, clean)
   local f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_exec',
                        'failure_ttl')
   local status, owner = f[1], f[2] or ''
-  local o = origin(id)
   if not owns(owner) then
     redis.call('LREM', c.wip, 1, id)
     return 'skipped'
   end
-  if redis.call('LREM', c.wip, 1, id) == 0 then return 'skipped' end
+  -- Not in the list: given back already (its owner went with it), or the list was
+  -- replaced (a rogue write) while the caller, whom the record still names, held it.
+  if redis.call('LREM', c.wip, 1, id) == 0 and owner == '' then return 'skipped' end
   if status == nil or TERMINAL[status] then return 'ended' end
   if status == 'started' then
     end_execution(id, f[4], okey(o, K_STARTED, c.started), c.worker_execs)

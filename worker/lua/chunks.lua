@@ -4,7 +4,7 @@
 -- Returns {'lease'} | {'ok', problems} | {'oom', index of the first chunk not written,
 -- problems}; problems: a flat list of id, what ('dup' and 'ok' are not reported).
 local token, ttl = ARGV[1], tonumber(ARGV[2])
-if redis.call('GET', KEYS[1]) ~= token then return {'lease'} end
+if lease(KEYS[1]) ~= token then return {'lease'} end
 local problems = {}
 for i = 3, #ARGV, 4 do
   local id = ARGV[i]

@@ -16,7 +16,10 @@
 --   | {id, 'bad', field=value}
 --   | {id, 'broken', what} (its record was no hash: rebuilt as this worker's, to fail)
 --   | {id, 'oom'} (not claimed: Redis refused the write)
---   | {'', 'wip', type} (this worker's WIP list was of that type: replaced).
+--   | {'', 'wip', type} (this worker's WIP list was of that type: replaced)
+--   | {'', 'queue', type} (the queue is of that type: nothing can be taken from it; it is
+--     left as it is, a key the worker only reads)
+--   | {'', 'keys', notes} (keys its jobs share were replaced: see fit).
 local queue, wip, alive, canceled, handed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local n, cap, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
@@ -27,13 +30,15 @@ for i = 9, #ARGV do
   seen[ARGV[i]] = true
 end
 
-if redis.call('GET', alive) ~= token then
+if lease(alive) ~= token then
+  fit({}, queue, 'list')  -- a rogue write made it another type: it held no job
   for i = #ids, 1, -1 do
-    if redis.call('LREM', wip, 1, ids[i]) == 1 then redis.call('LPUSH', queue, ids[i]) end
+    if redis.pcall('LREM', wip, 1, ids[i]) == 1 then redis.call('LPUSH', queue, ids[i]) end
   end
   return {'lease'}
 end
-drop_wrong_type(handed, 'zset')
+local shared = {}
+fit(shared, handed, 'zset')
 -- This worker's own list made another type (a rogue write) would make every claim raise,
 -- for good: it goes (what it listed is lost; their records still name their owner).
 local was = drop_wrong_type(wip, 'list')
@@ -57,6 +62,9 @@ if n > 0 then
 end
 for _ = 1, n do
   local id = redis.pcall('LMOVE', queue, wip, 'LEFT', 'RIGHT')
+  if is_err(id) and string.find(id.err, 'WRONGTYPE', 1, true) then
+    out[#out + 1] = {'', 'queue', redis.call('TYPE', queue)['ok']}
+  end
   if is_err(id) or not id then break end
   ids[#ids + 1] = id
   popped[id] = true
@@ -64,17 +72,18 @@ end
 
 for _, id in ipairs(ids) do
   local jk = jkey(id)
-  local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker}, nil)
+  -- A job taken from this queue is this queue's, whatever its record says (a rogue origin
+  -- is set right below, once the claim is accepted).
+  local o = origin(id) or queue_name
+  if popped[id] then o = queue_name end
+  local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker}, nil,
+                            {{okey(o, K_CANCELED, canceled), 'zset'}})
   local f = {}
   if record == 'ok' then
     f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_clean',
                    'mlxq_cancel', 'enqueued_at', 'failure_ttl', 'mlxq_handed')
     redis.call('ZREM', handed, id)  -- claimed (or dropped) here: never given back
   end
-  -- A job taken from this queue is this queue's, whatever its record says (a rogue origin
-  -- is set right below, once the claim is accepted).
-  local o = origin(id) or queue_name
-  if popped[id] then o = queue_name end
   local status, owner = f[1], f[2] or ''
   if record == 'rebuilt' then
     out[#out + 1] = {id, 'broken', note}  -- this worker's now, to fail by that reason
@@ -93,6 +102,7 @@ for _, id in ipairs(ids) do
     local w = redis.pcall('HSET', jk, 'mlxq_owner', worker, 'origin', o)
     if is_err(w) then
       -- Not claimed after all: back to the queue's front, for whoever has memory.
+      fit({}, okey(o, K_QUEUE, queue), 'list')
       redis.call('LREM', wip, 1, id)
       redis.call('LPUSH', okey(o, K_QUEUE, queue), id)
       out[#out + 1] = {id, 'oom'}
@@ -114,4 +124,4 @@ for _, id in ipairs(ids) do
     end
   end
 end
-return out
+return shared_note(out, shared)

@@ -7,17 +7,25 @@
 --       max ttl, then per job: id, outcome (finished|failed|canceled), execution id,
 --       value (rq result field: base64 return value, or base64 zlib failure text),
 --       exc_info (zlib failure text for the job hash), started_ts, seq, chunk, canceled chunk
+-- Every key it writes is fitted before its first write (see fit), so an end is never
+-- refused midway: a job ends whole (status, TTL, result, registries, last chunk), or is
+-- left as it was. A replay log of another type cannot take the last chunk: the job ends
+-- all the same, and the rogue key gets the log's TTL (listeners get an error, not text).
 -- Returns {'lease'} | {'oom'} | per job {id, outcome as recorded, chunk write, what was
 --   replaced ('' for nothing; see heal)} or
---   {id, 'refused'} (not this worker's any more: nothing written).
+--   {id, 'refused'} (not this worker's any more: nothing written),
+--   then {'', 'keys', notes} when keys its jobs share were replaced.
 local alive, started, rq_worker, worker_execs, wip, finished, failed, canceled =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local stream_ttl, result_ttl, failure_ttl, max_ttl = tonumber(ARGV[5]), tonumber(ARGV[6]),
   tonumber(ARGV[7]), tonumber(ARGV[8])
-if redis.call('GET', alive) ~= token then return {'lease'} end
+if lease(alive) ~= token then return {'lease'} end
+local shared = {}
+fit(shared, wip, 'list')
+fit(shared, rq_worker, 'hash')
+fit(shared, worker_execs, 'set')
 if is_oom(redis.pcall('HSET', rq_worker, 'last_heartbeat', now_str)) then return {'oom'} end
-drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
 
 local out, n_ok, n_failed = {}, 0, 0
 for i = 9, #ARGV, 9 do
@@ -25,8 +33,13 @@ for i = 9, #ARGV, 9 do
     ARGV[i + 4]
   local started_ts, seq, chunk = ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
   local jk = jkey(id)
+  local o = origin(id)
   local note, record = heal(id, wip, {'status', 'started', 'mlxq_owner', worker,
-                                      'mlxq_exec', exec}, exec)
+                                      'mlxq_exec', exec}, exec,
+                            {{okey(o, K_STARTED, started), 'zset'},
+                             {okey(o, K_FINISHED, finished), 'zset'},
+                             {okey(o, K_FAILED, failed), 'zset'},
+                             {okey(o, K_CANCELED, canceled), 'zset'}})
   local f = {}
   if record ~= 'foreign' then
     f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_exec',
@@ -40,7 +53,6 @@ for i = 9, #ARGV, 9 do
     out[#out + 1] = {id, 'refused'}
   else
     if f[3] == '1' then outcome, chunk = 'canceled', ARGV[i + 8] end
-    local o = origin(id)
     end_execution(id, exec, okey(o, K_STARTED, started), worker_execs)
     if outcome == 'finished' then
       local ttl = record_ttl(f[5], result_ttl, max_ttl)
@@ -67,6 +79,7 @@ for i = 9, #ARGV, 9 do
     out[#out + 1] = {id, outcome, how, note}
   end
 end
-if n_ok > 0 then redis.call('HINCRBY', rq_worker, 'successful_job_count', n_ok) end
-if n_failed > 0 then redis.call('HINCRBY', rq_worker, 'failed_job_count', n_failed) end
-return out
+-- rq's counters, for `rq info`: a rogue value there (no integer) is left as it is.
+if n_ok > 0 then redis.pcall('HINCRBY', rq_worker, 'successful_job_count', n_ok) end
+if n_failed > 0 then redis.pcall('HINCRBY', rq_worker, 'failed_job_count', n_failed) end
+return shared_note(out, shared)

@@ -4,19 +4,25 @@
 -- KEYS: alive, wip, failed registry, canceled registry (the first queue's: see end.lua)
 -- ARGV: token, worker, now_ts, now_str, stream_ttl, default failure ttl, max ttl, notice,
 --       then per job: id, value (base64 zlib reason), exc_info (zlib reason), seq, chunk
+-- Every key it writes is fitted before its first write (see fit): a job fails whole.
 -- Returns {'lease'} | {'oom'} | per job {id, 'failed' | 'canceled' | 'refused', what was
---   replaced ('' for nothing; see heal)}.
+--   replaced ('' for nothing; see heal)}, then {'', 'keys', notes} when its WIP list was
+--   replaced.
 local alive, wip, failed, canceled = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local stream_ttl, failure_ttl, max_ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local notice = ARGV[8]
-if redis.call('GET', alive) ~= token then return {'lease'} end
-drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
+if lease(alive) ~= token then return {'lease'} end
+local shared = {}
+fit(shared, wip, 'list')
 local out, probed = {}, false
 for i = 9, #ARGV, 5 do
   local id = ARGV[i]
   local jk = jkey(id)
-  local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker}, nil)
+  local o = origin(id)
+  local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker}, nil,
+                            {{okey(o, K_FAILED, failed), 'zset'},
+                             {okey(o, K_CANCELED, canceled), 'zset'}})
   local f = {}
   if record ~= 'foreign' then
     f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'failure_ttl', 'mlxq_cancel')
@@ -29,7 +35,7 @@ for i = 9, #ARGV, 5 do
   elseif f[4] == '1' then
     probed = true
     redis.call('LREM', wip, 1, id)
-    mark_canceled(id, okey(origin(id), K_CANCELED, canceled), f[3], now_ts, now_str, notice,
+    mark_canceled(id, okey(o, K_CANCELED, canceled), f[3], now_ts, now_str, notice,
                   max_ttl)
     out[#out + 1] = {id, 'canceled', note}
   else
@@ -38,11 +44,11 @@ for i = 9, #ARGV, 5 do
     local ttl = record_ttl(f[3], failure_ttl, max_ttl)
     redis.call('DEL', K_STREAM .. id)  -- it never ran: anything there is not its own
     add_result(id, 2, worker, 'exc_string', ARGV[i + 1], nil, nil, now_ts, ttl)
-    redis.call('ZADD', okey(origin(id), K_FAILED, failed), now_ts + ttl, id)
+    redis.call('ZADD', okey(o, K_FAILED, failed), now_ts + ttl, id)
     redis.call('EXPIRE', jk, ttl)
     write_chunk(id, ARGV[i + 3], ARGV[i + 4], stream_ttl, true)
     redis.call('LREM', wip, 1, id)
     out[#out + 1] = {id, 'failed', note}
   end
 end
-return out
+return shared_note(out, shared)

@@ -15,13 +15,13 @@
 local alive, wip, to_alive, to_wip, handed, to_stats, roll =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local token, worker, id, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-if redis.call('GET', alive) ~= token then return 'lease' end
+if lease(alive) ~= token then return 'lease' end
 drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
 local jk = jkey(id)
 local f = redis.pcall('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_cancel', 'mlxq_handed')
 if is_err(f) or f[1] ~= 'queued' or f[2] ~= worker or f[3] == '1' or f[4] then return 'job' end
 if not redis.call('LPOS', wip, id) then return 'job' end
-if to == worker or redis.call('EXISTS', to_alive) == 0 then return 'gone' end
+if to == worker or not lease(to_alive) then return 'gone' end
 local serves = redis.pcall('SISMEMBER', okey(origin(id), K_ROLL, roll), to)  -- a worker of another queue: never
 if is_err(serves) or serves == 0 then return 'gone' end
 f = redis.pcall('HMGET', to_stats, 'room', 'load')

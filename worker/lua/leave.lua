@@ -7,12 +7,14 @@
 -- Returns {'left' | 'stays', how many handed jobs went back}.
 local alive, roll, stats, handed, wip, queue = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local n = 0
-if redis.call('GET', alive) == ARGV[1] then n = give_back(handed, wip, queue, '+inf', -1) end
+if lease(alive) == ARGV[1] then n = give_back(handed, wip, queue, '+inf', -1) end
 redis.call('DEL', alive, stats)
 local held = redis.pcall('LLEN', wip)
 if ARGV[3] == '1' and held == 0 then
-  redis.call('SREM', roll, ARGV[2])
-  for i = 7, #KEYS do redis.call('SREM', KEYS[i], ARGV[2]) end
+  -- A roll of another type (a rogue write) is no roll to leave: a live worker's next beat
+  -- replaces it.
+  redis.pcall('SREM', roll, ARGV[2])
+  for i = 7, #KEYS do redis.pcall('SREM', KEYS[i], ARGV[2]) end
   return {'left', n}
 end
 return {'stays', n}

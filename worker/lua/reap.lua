@@ -12,7 +12,8 @@
 local alive, wip, queue, roll, started, worker_execs, marker, canceled =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local dead, seen = ARGV[1], ARGV[2]
-local current = redis.call('GET', alive)
+-- A lease of another type (a rogue write) is unreadable: expired, as one that lapsed.
+local current = lease(alive)
 if current and current ~= seen then return {'alive'} end
 redis.call('DEL', alive)
 local c = {wip = wip, queue = queue, started = started, worker_execs = worker_execs,
@@ -20,7 +21,10 @@ local c = {wip = wip, queue = queue, started = started, worker_execs = worker_ex
            max_ttl = tonumber(ARGV[5]), notice = ARGV[6]}
 -- In its list but unclaimed ('' owner): a move whose reply it never read. Still its own.
 local function its(owner) return owner == dead or owner == '' end
-drop_wrong_type(wip, 'list')  -- a rogue write made it another type: nothing to requeue
+-- Every key it writes is fitted first (see fit and requeue_one): a reap never stops
+-- midway. A WIP list of another type holds nothing to requeue.
+fit({}, wip, 'list')
+fit({}, worker_execs, 'set')
 local ids = redis.call('LRANGE', wip, 0, -1)
 local out = {'reaped'}
 for i = #ids, 1, -1 do
@@ -28,6 +32,7 @@ for i = #ids, 1, -1 do
 end
 redis.call('DEL', wip)
 redis.call('SET', marker, 1, 'EX', tonumber(ARGV[7]))
-redis.call('SREM', roll, dead)
-for i = 9, #KEYS do redis.call('SREM', KEYS[i], dead) end
+-- A roll of another type is no roll to leave: the next beat of a live worker replaces it.
+redis.pcall('SREM', roll, dead)
+for i = 9, #KEYS do redis.pcall('SREM', KEYS[i], dead) end
 return out

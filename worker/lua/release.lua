@@ -8,8 +8,10 @@
 local alive, wip, queue, started, worker_execs, canceled =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local token, worker = ARGV[1], ARGV[2]
-if redis.call('GET', alive) ~= token then return {'lease'} end
-drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
+if lease(alive) ~= token then return {'lease'} end
+-- Every key it writes is fitted first (see fit and requeue_one): a job goes back whole.
+fit({}, wip, 'list')
+fit({}, worker_execs, 'set')
 local mode = ARGV[7]
 local c = {wip = wip, queue = queue, started = started, worker_execs = worker_execs,
            canceled = canceled, now_ts = tonumber(ARGV[3]), now_str = ARGV[4],

@@ -3,23 +3,32 @@
 --   (the registries of the worker's first queue: see end.lua)
 -- ARGV: token, worker, now_ts, now_str, ttl, failure_ttl_cap, notice,
 --       then per job: id, attempts before this start, execution id
+-- Every key it writes is fitted before its first write (see fit), so a start is never
+-- refused midway: a job is started whole, or left as it was.
 -- Returns {'lease'} | {'oom'} | one entry per job: {id, 'ok', what was replaced ('' for
 --   nothing; see heal)} | {id, 'canceled'}
---   | {id, 'refused', why} (no longer this worker's to start: it must drop the job).
+--   | {id, 'refused', why} (no longer this worker's to start: it must drop the job),
+--   then {'', 'keys', notes} when keys its jobs share were replaced.
 local alive, started, rq_worker, worker_execs, wip, canceled =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ttl, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
-if redis.call('GET', alive) ~= token then return {'lease'} end
-drop_wrong_type(wip, 'list')  -- a rogue write made it another type: see claim.lua
+if lease(alive) ~= token then return {'lease'} end
+local shared = {}
+fit(shared, wip, 'list')
+fit(shared, rq_worker, 'hash')
+fit(shared, worker_execs, 'set')
 if is_oom(redis.pcall('HSET', rq_worker, 'state', 'busy')) then return {'oom'} end
 
 local out = {}
 for i = 8, #ARGV, 3 do
   local id, before, exec = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
   local jk = jkey(id)
+  local o = origin(id)
   local note, record = heal(id, wip, {'status', 'queued', 'mlxq_owner', worker,
-                                      'mlxq_attempt', ARGV[i + 1]}, exec)
+                                      'mlxq_attempt', ARGV[i + 1]}, exec,
+                            {{okey(o, K_STARTED, started), 'zset'},
+                             {okey(o, K_CANCELED, canceled), 'zset'}})
   local f = {}
   if record ~= 'foreign' then
     f = redis.call('HMGET', jk, 'status', 'mlxq_owner', 'mlxq_attempt', 'mlxq_cancel',
@@ -33,7 +42,7 @@ for i = 8, #ARGV, 3 do
     out[#out + 1] = {id, 'refused', 'status=' .. tostring(status) .. ' owner=' .. owner}
   elseif f[4] == '1' then
     redis.call('LREM', wip, 1, id)
-    mark_canceled(id, okey(origin(id), K_CANCELED, canceled), f[6], now_ts, now_str, notice,
+    mark_canceled(id, okey(o, K_CANCELED, canceled), f[6], now_ts, now_str, notice,
                   max_ttl)
     out[#out + 1] = {id, 'canceled'}
   else
@@ -48,7 +57,7 @@ for i = 8, #ARGV, 3 do
     redis.call('EXPIRE', ek, ttl)
     redis.call('ZADD', K_EXECUTIONS .. id, now_ts + ttl + 60, exec)
     redis.call('EXPIRE', K_EXECUTIONS .. id, ttl + 60)
-    redis.call('ZADD', okey(origin(id), K_STARTED, started), now_ts + ttl, composite)
+    redis.call('ZADD', okey(o, K_STARTED, started), now_ts + ttl, composite)
     redis.call('SADD', worker_execs, composite)
     -- A first run has no log of its own yet: whatever sits under its name is forged.
     -- A later run keeps the log (listeners replay across runs) unless it is not a stream.
@@ -62,4 +71,4 @@ for i = 8, #ARGV, 3 do
   end
 end
 redis.call('EXPIRE', worker_execs, ttl + 60)
-return out
+return shared_note(out, shared)
