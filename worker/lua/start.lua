@@ -18,7 +18,10 @@ local shared = {}
 fit(shared, wip, 'list')
 fit(shared, rq_worker, 'hash')
 fit(shared, worker_execs, 'set')
-if is_oom(redis.pcall('HSET', rq_worker, 'state', 'busy')) then return {'oom'} end
+-- The first write, refused whole when Redis is out of memory. Not rq's ``state``: the
+-- worker's counters own that (busy while rows run), so a job that starts and ends between
+-- two of their writes never leaves an idle worker reading busy.
+if is_oom(redis.pcall('HSET', rq_worker, 'last_heartbeat', now_str)) then return {'oom'} end
 
 local out = {}
 for i = 8, #ARGV, 3 do
