@@ -24,6 +24,15 @@ local queue, wip, alive, canceled, handed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], 
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local n, cap, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
 local ids, seen, popped = {}, {}, {}
+
+-- Whether another worker holds ``id`` in its WIP list now. An entry for a job it holds is
+-- a duplicate; a queued job whose named owner no longer holds it (rq's own ``requeue`` of
+-- a failed job keeps the last runner's name) is a job like any other. An owner's list of
+-- another type holds nothing.
+local function held_by(owner, id)
+  local at = redis.pcall('LPOS', K_WIP .. owner, id)
+  return not is_err(at) and at ~= false and at ~= nil
+end
 local queue_name = string.sub(queue, #K_QUEUE + 1)
 for i = 9, #ARGV do
   if not seen[ARGV[i]] then ids[#ids + 1] = ARGV[i] end
@@ -90,8 +99,8 @@ for _, id in ipairs(ids) do
   elseif not status then  -- no record (HMGET gives false for a missing field), or foreign
     redis.call('LREM', wip, 1, id)
     out[#out + 1] = {id, 'missing'}
-  elseif status ~= 'queued' or (owner ~= '' and owner ~= worker) then
-    -- Another entry for a job that runs, ran, or belongs to another worker: drop this one.
+  elseif status ~= 'queued' or (owner ~= '' and owner ~= worker and held_by(owner, id)) then
+    -- Another entry for a job that runs, ran, or another worker holds: drop this one.
     redis.call('LREM', wip, 1, id)
     out[#out + 1] = {id, 'dup', status}
   elseif f[5] == '1' then
