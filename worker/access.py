@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -88,6 +88,8 @@ class Probe:
     args: tuple[str, ...]
     keys: tuple[str, ...] = ()
     channels: tuple[str, ...] = ()
+    #: The worker serves without it, less well: said, not refused.
+    optional: bool = False
 
 
 def _on(key: str, commands: str) -> list[Probe]:
@@ -143,8 +145,10 @@ def probes(worker: str, queues: Sequence[str]) -> list[Probe]:
         Probe("SUBSCRIBE", ("SUBSCRIBE", cancels), channels=(cancels,)),
         Probe("EVALSHA", ("EVALSHA", sha, "1", alive), keys=(alive,)),
         Probe("SCRIPT|LOAD", ("SCRIPT", "LOAD", "return 1")),
-        Probe("CLIENT|ID", ("CLIENT", "ID")),
-        Probe("CLIENT|UNBLOCK", ("CLIENT", "UNBLOCK", "0")),
+        # A worker handing a chat turn wakes an idle one with these; without them the
+        # idle one finds the turn when its blocking wait ends (a second or so later).
+        Probe("CLIENT|ID", ("CLIENT", "ID"), optional=True),
+        Probe("CLIENT|UNBLOCK", ("CLIENT", "UNBLOCK", "0"), optional=True),
         Probe("PING", ("PING",)),
     ]
 
@@ -157,12 +161,17 @@ class Lacking:
     keys: dict[str, None]
     channels: dict[str, None]
     other: dict[str, None]
+    #: Commands the worker can do without (see ``Probe.optional``): not in ``bool()``.
+    optional: dict[str, None] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.commands or self.keys or self.channels or self.other)
 
     def add(self, probe: Probe, error: redis.ResponseError) -> None:
         text = str(error)
+        if probe.optional:
+            self.optional[probe.name.replace("|", " ")] = None
+            return
         if isinstance(error, redis.exceptions.NoPermissionError) or text.startswith("NOPERM"):
             if "keys" in text:
                 self.keys.update(dict.fromkeys(probe.keys))

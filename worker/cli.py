@@ -355,6 +355,13 @@ def _check_redis(config: c.WorkerConfig) -> None:
         client.close()
     if missing:
         raise SetupError(missing.text(user_of(client)))
+    if missing.optional:
+        log.warning(
+            "Redis user %r may not run %s: a worker handing this one a chat turn cannot wake "
+            "it while it waits idle, so the turn starts when its wait ends",
+            user_of(client),
+            ", ".join(missing.optional),
+        )
 
 
 def run_worker(args: argparse.Namespace) -> int:
