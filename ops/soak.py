@@ -681,12 +681,28 @@ class Soak:
         r, n = self.c.r, next(self.serial)
         attempt, log = f"poisoned-attempt-{n}-{uuid.uuid4().hex[:8]}", f"poisoned-log-{n}"
         log += f"-{uuid.uuid4().hex[:8]}"
-        retry(lambda: r.hset(job_key(attempt), "mlxq_attempt", "notanint"))
         retry(lambda: r.set(stream_key(log), "x"))
         kws = [job_kwargs(10_000 + 2 * n), job_kwargs(10_001 + 2 * n)]
         self.expect(attempt, "mlxq_attempt=notanint", ("failed",), "mlxq_attempt")
         self.expect(log, "log key a string before the start", ("finished", "failed"))
-        jobs = retry(lambda: self.client.submit_many(kws, job_ids=[attempt, log]))
+        # A submit refuses an id whose key holds anything but an ended job, so the attempt
+        # count is poisoned between the submit and the claim: queued where no worker looks,
+        # then moved onto the soak's queue with the rogue field, in one script.
+        hold = f"{QUEUE}-hold-{n}"
+        (held,) = retry(lambda: self.client.submit_many(kws[:1], job_ids=[attempt], queue=hold))
+        retry(
+            lambda: r.eval(
+                "redis.call('LREM', KEYS[1], 1, ARGV[1]); "
+                "redis.call('HSET', KEYS[2], 'mlxq_attempt', 'notanint'); "
+                "redis.call('RPUSH', KEYS[3], ARGV[1])",
+                3,
+                queue_key(hold),
+                job_key(attempt),
+                queue_key(QUEUE),
+                attempt,
+            )
+        )
+        jobs = [held, *retry(lambda: self.client.submit_many(kws[1:], job_ids=[log]))]
         (running,) = self.submit(
             [
                 {
