@@ -171,10 +171,16 @@ def test_a_job_is_handed_only_to_a_live_worker_with_room_and_only_once(claimed, 
     r.rpush(keys.worker_stats_key(to.name), "rogue")
     assert Router(by).hand(job.id, to.name, 8) == "full"
     r.delete(keys.worker_stats_key(to.name))
+    # Busy by what it holds now (its WIP list), not by its stats, a second old at most:
+    # a worker that just ended the turns handed to it holds nothing, whatever they say.
     _room(r, to.name, 3, load=9)
+    r.rpush(keys.wip_key(to.name), *[f"held-{i}" for i in range(9)])
     assert Router(by).hand(job.id, to.name, 8) == "busy"
-    r.hdel(keys.worker_stats_key(to.name), "load")
-    assert Router(by).hand(job.id, to.name, 8) == "busy"
+    r.delete(keys.wip_key(to.name))
+    _room(r, to.name, 0, load=3)  # three rows, and its WIP list holds three: full
+    r.rpush(keys.wip_key(to.name), *[f"held-{i}" for i in range(3)])
+    assert Router(by).hand(job.id, to.name, 8) == "full"
+    r.delete(keys.wip_key(to.name))
     r.set(keys.handed_key(to.name), "rogue")
     _room(r, to.name, 3, load=8)
     assert Router(by).hand(job.id, to.name, 8) == "keys"

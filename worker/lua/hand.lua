@@ -7,7 +7,7 @@
 -- KEYS: alive, wip, to alive, to wip, to handed, to stats, the roll of workers of the job's
 --       queue (the first queue's is passed; the job's own is read)
 -- ARGV: token, worker, id, to name, now ms, handed set ttl ms, the most rows the other may
---       hold (running and buffered, as its last stats said)
+--       hold (running and buffered: its WIP list)
 -- Returns 'ok' | 'lease' | 'gone' (no live worker of this queue) | 'full' (no free row)
 --   | 'busy' | 'job'
 --   (not this worker's unstarted job, or handed before) | 'keys' (a key of the wrong type)
@@ -24,13 +24,18 @@ if not redis.call('LPOS', wip, id) then return 'job' end
 if to == worker or not lease(to_alive) then return 'gone' end
 local serves = redis.pcall('SISMEMBER', okey(origin(id), K_ROLL, roll), to)  -- a worker of another queue: never
 if is_err(serves) or serves == 0 then return 'gone' end
-f = redis.pcall('HMGET', to_stats, 'room', 'load')
-if is_err(f) or (tonumber(f[1]) or 0) < 1 then return 'full' end
-if (tonumber(f[2]) or math.huge) > tonumber(ARGV[7]) then return 'busy' end
 for k, want in pairs({[to_wip] = 'list', [handed] = 'zset'}) do
   local t = redis.call('TYPE', k)['ok']
   if t ~= want and t ~= 'none' then return 'keys' end
 end
+-- What it holds now is its WIP list, exactly; its stats are up to a second old (a worker
+-- that just ended the turns handed to it would still read as holding them). Its rows are
+-- its last stats' free and held ones together, a sum the hand-offs below keep.
+f = redis.pcall('HMGET', to_stats, 'room', 'load')
+if is_err(f) then return 'full' end
+local holds = redis.call('LLEN', to_wip)
+if (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0) - holds < 1 then return 'full' end
+if holds > tonumber(ARGV[7]) then return 'busy' end
 if is_err(redis.pcall('HSET', jk, 'mlxq_handed', to)) then return 'oom' end
 redis.call('HDEL', jk, 'mlxq_owner')
 redis.call('LREM', wip, 1, id)
