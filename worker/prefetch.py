@@ -36,7 +36,7 @@ from mlxq.worker.errors import LeaseLost
 from mlxq.worker.held import Held
 from mlxq.worker.jobs import Job
 from mlxq.worker.logs import job_event
-from mlxq.worker.routing import Router
+from mlxq.worker.routing import UNWAKEABLE_BLOCK_S, Router
 from mlxq.worker.scripts import Claimed
 from mlxq.worker.sink import Sink
 from mlxq.worker.threads import Helper
@@ -244,6 +244,8 @@ class Prefetcher(Helper):
             queue = next(iter(needs))
             self.router.note_blocker()
             wait = BLOCK_S if len(self.levels.queues) == 1 else POLL_S
+            if not self.router.wakeable:  # a job handed here must be found within its grace
+                wait = min(wait, UNWAKEABLE_BLOCK_S)
             first = self.bridge.wait_for_job(queue, wait)
             if first is None:
                 return

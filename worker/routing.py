@@ -33,7 +33,7 @@ import redis
 from mlxq.producer import keys, scripts
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker import scripts as lua
-from mlxq.worker.bridge import BLOCK_S, Bridge
+from mlxq.worker.bridge import HAND_GRACE_MS, Bridge
 from mlxq.worker.config import is_worker_name
 from mlxq.worker.logs import job_event
 from mlxq.worker.scripts import Claimed, WorkerKeys
@@ -49,6 +49,9 @@ HANDED_TTL_MS = 60_000
 #: How long a worker is named as holding a finished conversation (its cache may have
 #: dropped it sooner: then the next turn is a miss, as without routing).
 ROUTE_TTL = 900
+#: How long an idle worker that cannot be woken (its Redis user may not run CLIENT ID)
+#: blocks waiting for the queue: well within the grace a job handed to it is kept.
+UNWAKEABLE_BLOCK_S = HAND_GRACE_MS / 2000
 #: How often a worker, idle and about to block, writes its blocking connection's id anew.
 BLOCKER_TTL = 60
 
@@ -187,6 +190,13 @@ class Router:
             pass
         return False
 
+    @property
+    def wakeable(self) -> bool:
+        """Whether a worker handing this one a job can wake it from its idle wait (its
+        Redis user may run CLIENT ID); if not, its idle waits must be shorter than the
+        grace a handed job is kept for it."""
+        return not self._blocker_refused
+
     def note_blocker(self) -> None:
         """Name the connection this worker blocks on, so a worker handing it a job can
         wake it; written again when the connection changed, or every half TTL. Called
@@ -202,10 +212,10 @@ class Router:
                 self._blocker = (cid, now + BLOCKER_TTL / 2)
         except redis.exceptions.NoPermissionError as e:  # an ACL without CLIENT: no wake-ups
             log.warning(
-                "routing: cannot name this worker's idle connection (%s); a job "
-                "handed to it while idle waits up to %.0f s",
+                "routing: cannot name this worker's idle connection (%s); it waits for "
+                "jobs %.2f s at a time, so a job handed to it while idle is found in time",
                 e,
-                BLOCK_S,
+                UNWAKEABLE_BLOCK_S,
             )
             self._blocker_refused = True
         except redis.ResponseError:  # out of memory, say: named at the next idle wait
