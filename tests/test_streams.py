@@ -16,8 +16,8 @@ pytestmark = pytest.mark.e2e
 N = 300
 
 
-def _settled(r: redis.Redis, worker) -> int:
-    """Pub/sub clients once the worker's own cancel listener is subscribed."""
+def _settled(r: redis.Redis, worker) -> None:
+    """Once the worker's own cancel listener is subscribed."""
     import time
 
     from mlxq.producer import keys
@@ -26,11 +26,16 @@ def _settled(r: redis.Redis, worker) -> int:
     while not r.pubsub_numsub(keys.cancel_channel(worker.name))[0][1]:
         assert time.monotonic() < deadline, "the worker's cancel listener never subscribed"
         time.sleep(0.02)
-    return _pubsub_clients(r)
 
 
-def _pubsub_clients(r: redis.Redis) -> int:
-    return sum(1 for c in r.client_list() if int(c.get("sub", 0)) or int(c.get("psub", 0)))
+def _pubsub_clients(r: redis.Redis, name: str) -> int:
+    """Pub/sub connections of the client named ``name`` (its URL's ``client_name``): only
+    the client under test is counted, whatever other subscribers come and go on this Redis."""
+    return sum(
+        1
+        for c in r.client_list()
+        if c.get("name") == name and (int(c.get("sub", 0)) or int(c.get("psub", 0)))
+    )
 
 
 def test_hundreds_of_threads_stream_through_one_pubsub_connection(
@@ -38,8 +43,8 @@ def test_hundreds_of_threads_stream_through_one_pubsub_connection(
 ):
     worker = start_worker(max_batch=64, window_ms=50)
     r = connect(redis_server.url)  # 300 threads count connections through it: a blocking pool
-    before = _settled(r, worker)
-    client = Client(redis_server.url, queue=queue_name)
+    _settled(r, worker)
+    client = Client(f"{redis_server.url}?client_name=streams-sync", queue=queue_name)
     jobs = client.submit_many(
         [dict(prompt=f"stream {i}", max_tokens=6, temperature=1.0, seed=i) for i in range(N)]
     )
@@ -47,13 +52,13 @@ def test_hundreds_of_threads_stream_through_one_pubsub_connection(
 
     def follow(i: int) -> str:
         text = "".join(c.text for c in jobs[i].stream(timeout=120))
-        peak[0] = max(peak[0], _pubsub_clients(r))
+        peak[0] = max(peak[0], _pubsub_clients(r, "streams-sync"))
         return text
 
     with ThreadPoolExecutor(N) as pool:
         texts = list(pool.map(follow, range(N)))
     assert texts == [j.result(timeout=10).text for j in jobs]
-    assert peak[0] - before <= 1, "all of this client's streams shared one connection"
+    assert peak[0] == 1, "all of this client's streams shared one connection"
     client.close()
 
 
@@ -61,26 +66,30 @@ def test_hundreds_of_async_streams_through_one_pubsub_connection(
     redis_server, queue_name, start_worker, r
 ):
     worker = start_worker(max_batch=64, window_ms=50)
-    before = _settled(r, worker)
+    _settled(r, worker)
 
     async def go() -> tuple[list[str], list[str], int]:
-        client = AsyncClient(redis_server.url, queue=queue_name)
+        client = AsyncClient(f"{redis_server.url}?client_name=streams-async", queue=queue_name)
         jobs = await client.submit_many(
             [dict(prompt=f"async {i}", max_tokens=6, temperature=1.0, seed=i) for i in range(N)]
         )
 
+        peak = 0
+
         async def follow(job) -> str:
-            return "".join([c.text async for c in job.stream(timeout=120)])
+            nonlocal peak
+            text = "".join([c.text async for c in job.stream(timeout=120)])
+            peak = max(peak, _pubsub_clients(r, "streams-async"))
+            return text
 
         texts = await asyncio.gather(*map(follow, jobs))
-        peak = _pubsub_clients(r)
         results = [(await j.result(timeout=10)).text for j in jobs]
         await client.aclose()
         return list(texts), results, peak
 
     texts, results, peak = asyncio.run(go())
     assert texts == results
-    assert peak - before <= 1
+    assert peak == 1
 
 
 def test_client_settings_are_checked_by_name():
