@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -148,7 +148,17 @@ _RETRY = {
 }
 
 
-def _answer(job_id: str, verdict: str, table: dict[str, tuple[int, str, str]]) -> dict[str, str]:
+async def _act(
+    request: Request,
+    job_id: str,
+    verb: Callable[[redis.Redis, str], str],
+    table: dict[str, tuple[int, str, str]],
+) -> dict[str, str]:
+    """One of the page's buttons: ``verb`` run on the job off the event loop, its verdict
+    answered from ``table`` (an unknown verdict is a 500 naming it)."""
+    _json_only(request)
+    gw: Gateway = request.app.state.gateway
+    verdict = await asyncio.to_thread(verb, gw.redis, _job_id(job_id))
     status, code, said = table.get(verdict, (500, "unknown_verdict", f"job {{id}}: {verdict!r}"))
     message = said.replace("{id}", job_id)
     if status != 200:
@@ -158,18 +168,12 @@ def _answer(job_id: str, verdict: str, table: dict[str, tuple[int, str, str]]) -
 
 @api_router.post("/jobs/{job_id}/cancel")
 async def cancel(request: Request, job_id: str) -> dict[str, str]:
-    _json_only(request)
-    gw: Gateway = request.app.state.gateway
-    verdict = await asyncio.to_thread(cancel_job, gw.redis, _job_id(job_id))
-    return _answer(job_id, verdict, _CANCEL)
+    return await _act(request, job_id, cancel_job, _CANCEL)
 
 
 @api_router.post("/jobs/{job_id}/retry")
 async def retry(request: Request, job_id: str) -> dict[str, str]:
-    _json_only(request)
-    gw: Gateway = request.app.state.gateway
-    verdict = await asyncio.to_thread(retry_job, gw.redis, _job_id(job_id))
-    return _answer(job_id, verdict, _RETRY)
+    return await _act(request, job_id, retry_job, _RETRY)
 
 
 async def _relay(job: AsyncJob) -> AsyncIterator[str]:
