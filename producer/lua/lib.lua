@@ -90,6 +90,19 @@ local function shared_note(out, notes)
   return out
 end
 
+-- The opening of a worker's start or end of jobs: its lease checked, the keys all the
+-- call's jobs share fitted (noted in ``shared``), then the first write, the worker's rq
+-- heartbeat, refused whole when Redis is out of memory. Returns the script's answer when
+-- it must stop there ({'lease'} or {'oom'}), else nil.
+local function open_jobs(shared, alive, token, wip, rq_worker, worker_execs, now_str)
+  if lease(alive) ~= token then return {'lease'} end
+  fit(shared, wip, 'list')
+  fit(shared, rq_worker, 'hash')
+  fit(shared, worker_execs, 'set')
+  if is_oom(redis.pcall('HSET', rq_worker, 'last_heartbeat', now_str)) then return {'oom'} end
+  return nil
+end
+
 -- The queue job ``id`` came from: rq's ``origin`` in its record, or nil when that names no
 -- queue (missing, empty, too long, control characters: a rogue write). The worker serves
 -- several queues with one WIP list, so a job's registries are its own queue's.

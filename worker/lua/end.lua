@@ -20,12 +20,9 @@ local alive, started, rq_worker, worker_execs, wip, finished, failed, canceled =
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local stream_ttl, result_ttl, failure_ttl, max_ttl = tonumber(ARGV[5]), tonumber(ARGV[6]),
   tonumber(ARGV[7]), tonumber(ARGV[8])
-if lease(alive) ~= token then return {'lease'} end
 local shared = {}
-fit(shared, wip, 'list')
-fit(shared, rq_worker, 'hash')
-fit(shared, worker_execs, 'set')
-if is_oom(redis.pcall('HSET', rq_worker, 'last_heartbeat', now_str)) then return {'oom'} end
+local stop = open_jobs(shared, alive, token, wip, rq_worker, worker_execs, now_str)
+if stop then return stop end
 
 local out, n_ok, n_failed = {}, 0, 0
 for i = 9, #ARGV, 9 do

@@ -13,15 +13,11 @@ local alive, started, rq_worker, worker_execs, wip, canceled =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local token, worker, now_ts, now_str = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ttl, max_ttl, notice = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
-if lease(alive) ~= token then return {'lease'} end
+-- Not rq's ``state``: the worker's counters own that (busy while rows run), so a job
+-- that starts and ends between two of their writes never leaves an idle worker reading busy.
 local shared = {}
-fit(shared, wip, 'list')
-fit(shared, rq_worker, 'hash')
-fit(shared, worker_execs, 'set')
--- The first write, refused whole when Redis is out of memory. Not rq's ``state``: the
--- worker's counters own that (busy while rows run), so a job that starts and ends between
--- two of their writes never leaves an idle worker reading busy.
-if is_oom(redis.pcall('HSET', rq_worker, 'last_heartbeat', now_str)) then return {'oom'} end
+local stop = open_jobs(shared, alive, token, wip, rq_worker, worker_execs, now_str)
+if stop then return stop end
 
 local out = {}
 for i = 8, #ARGV, 3 do
