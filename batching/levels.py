@@ -89,7 +89,11 @@ class Shares:
         self.levels = levels
         self._weight = {s.queue: s.weight for level in levels.levels for s in level}
         self._level = {q: levels.level_of(q) for q in self._weight}
+        self._order = {q: i for i, q in enumerate(levels.queues)}
         self._served: dict[str, float] = dict.fromkeys(self._weight, 0.0)  # tokens / weight
+        # Each level's virtual time: what the queue it last picked had been served. A queue
+        # that comes back to a level starts no lower (start-time fair queueing).
+        self._clock = [0.0] * len(levels.levels)
         self._waited: set[str] = set()  # the queues with a job waiting at the last pick
 
     def charge(self, queue: str, tokens: int) -> None:
@@ -106,15 +110,17 @@ class Shares:
         top = min(self._level[q] for q in queues)
         rivals = [q for q in queues if self._level[q] == top]
         # A queue that had nothing waiting at the last pick is owed no backlog of rows for
-        # its idle time: it comes back level with the least served of the others.
-        others = [self._served[q] for q in rivals if q in self._waited]
-        if others:
-            for q in rivals:
-                if q not in self._waited:
-                    self._served[q] = max(self._served[q], min(others))
+        # its idle time, nor does it owe any for the rows it took before: it comes back at
+        # its level's virtual time. (Measured against the rivals waiting now instead, the
+        # first queue back after the whole level idled kept the deficit of its last busy
+        # spell, and took every row for seconds.)
+        for q in rivals:
+            if q not in self._waited:
+                self._served[q] = max(self._served[q], self._clock[top])
         self._waited = set(queues)
-        order = {q: i for i, q in enumerate(self.levels.queues)}
-        return min(rivals, key=lambda q: (self._served[q], order[q]))
+        pick = min(rivals, key=lambda q: (self._served[q], self._order[q]))
+        self._clock[top] = self._served[pick]
+        return pick
 
 
 @dataclass(frozen=True, slots=True)

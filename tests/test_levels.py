@@ -83,6 +83,25 @@ def test_a_queue_back_from_idle_is_owed_no_backlog():
     assert picks.count("y") == 5  # alternating, not ten rows in a row for y
 
 
+def test_after_the_whole_level_idled_no_queue_carries_its_old_deficit():
+    shares = Shares(Levels.parse(["x:3,y:1"]))
+    for _ in range(40):  # both busy, then x runs dry first and y goes on alone
+        q = shares.pick(["x", "y"])
+        assert q is not None
+        shares.charge(q, 64)
+    for _ in range(30):
+        shares.charge(shares.pick(["y"]) or "", 64)
+    # Both idle; then x's jobs arrive a moment before y's.
+    picks = [shares.pick(["x"])]
+    shares.charge("x", 64)
+    for _ in range(16):
+        q = shares.pick(["x", "y"])
+        assert q is not None
+        shares.charge(q, 64)
+        picks.append(q)
+    assert picks.count("y") == 4  # 3:1 from the start, not x alone until it made up
+
+
 def _running(job_id, level, step, pauses=0):
     return Running(job_id, level, step, pauses)
 
