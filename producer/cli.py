@@ -41,6 +41,7 @@ class Command(NamedTuple):
 
 
 _JOBS = "mlxq.producer.commands"
+_CONTROL = "mlxq.producer.control"
 #: Every command, in the order ``mlxq --help`` lists them.
 COMMANDS: dict[str, Command] = {
     "model": Command("build models", "mlxq.worker.cli", "add_model_arguments", "run_model", False),
@@ -60,15 +61,15 @@ COMMANDS: dict[str, Command] = {
     "stream": Command(
         "print one job's text, live or replayed, until its end", _JOBS, "add_stream", "run_stream"
     ),
-    "cancel": Command("cancel jobs, queued or running", _JOBS, "add_cancel", "run_cancel"),
+    "cancel": Command("cancel jobs, queued or running", _CONTROL, "add_cancel", "run_cancel"),
     "retry": Command(
         "requeue failed or canceled jobs with their request, as a new attempt",
-        _JOBS,
+        _CONTROL,
         "add_retry",
         "run_retry",
     ),
     "purge": Command(
-        "delete a queue's queued or ended jobs (asks first)", _JOBS, "add_purge", "run_purge"
+        "delete a queue's queued or ended jobs (asks first)", _CONTROL, "add_purge", "run_purge"
     ),
     "jobs": Command(
         "recent jobs with status, age and failure reason", _JOBS, "add_jobs", "run_jobs"
