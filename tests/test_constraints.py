@@ -269,3 +269,17 @@ def test_a_sweep_of_one_constraint_compiles_it_once(loaded):
         engine.encode(build_request(f"q{i}", json_schema=SCHEMA))
         engine.encode(build_request(f"q{i}", choice=CHOICES))
     assert engine.counters.constraint_compiles == 2
+
+
+def test_a_seeded_draw_never_picks_a_masked_token():
+    # Seed 122 at position 36 once hashed to the one noise value that rounded to +inf in
+    # float32, which won the draw over every allowed token.
+    from mlxq.batching.sampler import RowParams, sample
+    from mlxq.producer.params import SamplingParams
+
+    allowed = [50, 60, 70, 80, 90]
+    x = mx.full((1, 1024), -mx.inf)
+    x[0, mx.array(allowed)] = -1.6
+    rows = RowParams.from_params([SamplingParams(temperature=1.0, seed=122)])
+    drawn = {sample(x, rows, mx.array([p], dtype=mx.uint32)).item() for p in range(2000)}
+    assert drawn <= set(allowed)
