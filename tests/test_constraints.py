@@ -6,6 +6,7 @@ below parses or matches only because the constraint held it to its shape.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -87,6 +88,7 @@ def test_the_payload_carries_the_constraint_only_when_set():
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type="),
         ({"regex": "a", "choice": ["a"]}, "regex="),
+        ({"regex": "a+", "min_tokens": 3}, "min_tokens="),
         ({"constraint": {"kind": "regex", "value": "(("}}, "constraint="),
         ({"json_schema": {"description": "x" * MAX_CONSTRAINT_CHARS}}, "json_schema="),
     ],
@@ -195,6 +197,15 @@ def _mixed() -> dict[str, GenerationRequest]:
         "logprobs": build_request(
             "Pick", choice=CHOICES, max_tokens=10, logprobs=True, top_logprobs=3
         ),
+        "penalized": build_request(
+            "Code:",
+            regex=REGEX,
+            max_tokens=20,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            logit_bias={20: 5.0},
+            stop=["-q"],
+        ),
     }
 
 
@@ -205,16 +216,33 @@ def test_constrained_answers_hold_their_shape_in_a_mixed_batch(loaded):
         jsonschema.validate(json.loads(text), SCHEMA)
         assert finish == "stop"
     assert all(t in CHOICES and f == "stop" for t, _, f in got["choice"] + got["logprobs"])
-    assert all(re.fullmatch(REGEX, t) and f == "stop" for t, _, f in got["regex"])
+    for t, _, f in got["regex"] + got["penalized"]:
+        assert f == "stop" and (re.fullmatch(REGEX, t) or "-q" in t + "q")
+    assert re.fullmatch(REGEX, got["regex"][0][0])
     c = engine.counters
     assert c.vectorized_steps == c.decode_steps > 0
-    assert c.constrained_rows == 6
+    assert c.constrained_rows == 7
     assert c.constraint_compiles == 3  # one schema, one choice, one regex
     assert c.mask_ms > 0
     # Unconstrained rows decode as they would alone.
     for name in ("free", "free_hot"):
         alone = _run(Engine(*loaded, max_batch=16), {name: _mixed()[name]})
         assert got[name] == alone[name]
+
+
+def test_constrained_rows_through_the_prompt_cache_decode_the_same(loaded):
+    keep = ("schema", "schema_hot", "logprobs", "penalized", "free")
+    long = "A long shared preamble of instructions for every row. " * 8
+    reqs = {
+        k: dataclasses.replace(v, prompt=long + (v.prompt or ""))
+        for k, v in _mixed().items()
+        if k in keep
+    }
+    engine = Engine(*loaded, max_batch=16, prompt_cache_bytes=64 << 20)
+    first = _run(engine, reqs)
+    again = _run(engine, reqs)
+    assert engine.counters.prompt_cache_hits > 0
+    assert again == first
 
 
 def test_a_constrained_row_decodes_as_it_would_alone(loaded):
