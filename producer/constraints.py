@@ -83,6 +83,8 @@ class Constraint:
             canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise bad(field, schema, f"must be JSON data ({e})") from None
+        except RecursionError:
+            raise bad(field, "<a deep object>", "nested too deeply") from None
         return _checked(cls, "json_schema", canonical, field)
 
     @classmethod

@@ -99,6 +99,15 @@ def test_bad_constraints_are_refused_at_submit_naming_the_field(kw, field):
     assert str(e.value).startswith(field), str(e.value)
 
 
+def test_a_schema_nested_past_the_stack_is_refused_by_name():
+    deep: dict[str, object] = {}
+    cur = deep
+    for _ in range(5000):
+        cur["x"] = cur = {}
+    with pytest.raises(PayloadError, match=r"^json_schema=.*nested too deeply"):
+        build_request("x", json_schema=deep)
+
+
 def test_a_payload_altered_to_a_bad_constraint_is_refused():
     payload = build_request("x", regex="a+").to_payload()
     payload["constraint"] = {"kind": "regex", "value": "(("}
