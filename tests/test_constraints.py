@@ -174,7 +174,7 @@ def loaded(tiny_model):
     return mlx_lm.load(str(tiny_model))
 
 
-def _run(engine: Engine, reqs: dict[str, GenerationRequest], pause=None):
+def _run(engine: Engine, reqs: dict[str, GenerationRequest], pause=None, cancel=None):
     jobs = {n: Job(n, r, engine.encode(r)) for n, r in reqs.items()}
     for j in jobs.values():
         j.start("exec")
@@ -187,6 +187,8 @@ def _run(engine: Engine, reqs: dict[str, GenerationRequest], pause=None):
             engine.pause([jobs[pause[0]]])
         if pause and steps == pause[2]:
             engine.resume([jobs[pause[0]]])
+        if cancel and steps == cancel[1]:
+            engine.remove([jobs[cancel[0]]])
     return {
         n: [("".join(c.text), c.token_ids, c.finish_reason) for c in j.choices]
         for n, j in jobs.items()
@@ -320,3 +322,16 @@ def test_a_seeded_draw_never_picks_a_masked_token():
     rows = RowParams.from_params([SamplingParams(temperature=1.0, seed=122)])
     drawn = {sample(x, rows, mx.array([p], dtype=mx.uint32)).item() for p in range(2000)}
     assert drawn <= set(allowed)
+
+
+def test_canceling_a_constrained_row_leaves_the_others_whole(loaded):
+    engine = Engine(*loaded, max_batch=16)
+    reqs = _mixed()
+    got = _run(engine, reqs, cancel=("schema_hot", 4))
+    alone = _run(
+        Engine(*loaded, max_batch=16), {k: v for k, v in reqs.items() if k != "schema_hot"}
+    )
+    for name in ("schema", "free", "free_hot", "logprobs"):
+        assert got[name] == alone[name]
+    jsonschema.validate(json.loads(got["schema"][0][0]), SCHEMA)
+    assert engine.counters.vectorized_steps == engine.counters.decode_steps
