@@ -339,3 +339,36 @@ def test_canceling_a_constrained_row_leaves_the_others_whole(loaded):
         assert got[name] == alone[name]
     jsonschema.validate(json.loads(got["schema"][0][0]), SCHEMA)
     assert engine.counters.vectorized_steps == engine.counters.decode_steps
+
+
+def test_grammar_rows_advance_each_constrained_row_and_leave_the_others_open(loaded):
+    from mlxq.batching.grammar import GrammarRows
+    from mlxq.worker.generator import StepCounters
+    from mlxq.worker.grammars import Grammars
+
+    tok = loaded[1]
+    grammars = Grammars(tok, 1024, frozenset(tok.eos_token_ids), StepCounters())
+    c = Constraint.of_choice(["ab", "cd"])
+    rows = [grammars.row(c), None, grammars.row(c)]
+    grammar = GrammarRows.bind(rows, 1024)
+    assert grammar is not None and GrammarRows.bind([None, None], 1024) is None
+
+    def ids(fed: list[int]) -> list[set[int]]:
+        words = mx.array(grammar.masks(fed)).tolist()
+        return [{j for j in range(1024) if (words[i][j // 32] >> (j % 32)) & 1} for i in range(3)]
+
+    def allowed(fed: list[int]) -> list[set[str]]:
+        return [{tok.decode([j]) for j in row} for row in ids(fed)]
+
+    (a,), (c_,) = (tok.encode(x, add_special_tokens=False) for x in ("a", "c"))
+    # A row's first step: its fed token is the prompt's last, not consumed.
+    first_ids = ids([a, a, a])
+    assert len(first_ids[1]) == 1024  # the unconstrained row: nothing masked
+    first = [{tok.decode([j]) for j in row} for row in first_ids]
+    assert first[0] == first[2] and all("ab".startswith(t) or "cd".startswith(t) for t in first[0])
+    after = allowed([a, 0, c_])
+    assert after[0] == {"b"} and after[2] == {"d"}
+    (b,), (d,) = (tok.encode(x, add_special_tokens=False) for x in ("b", "d"))
+    done = allowed([b, 0, d])
+    eos = {tok.decode([t]) for t in tok.eos_token_ids}
+    assert done[0] == done[2] == eos
