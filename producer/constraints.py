@@ -313,22 +313,34 @@ def from_structured_outputs(value: Any, field: str = "structured_outputs") -> Co
         return None
     if not isinstance(value, Mapping):
         raise bad(field, value, "must be an object")
-    unknown = sorted(str(k) for k, v in value.items() if k not in STRUCTURED_KEYS and v is not None)
+    # vLLM's backend options (whitespace, fallback) are honoured only when off.
+    unknown = sorted(str(k) for k, v in value.items() if k not in STRUCTURED_KEYS and v)
     if unknown:
         raise bad(f"{field}.{unknown[0]}", value[unknown[0]], "not supported by mlxq")
-    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    given = {
+        k: v for k, v in value.items() if k in STRUCTURED_KEYS and v is not None and v is not False
+    }
     if len(given) != 1:
         raise bad(field, sorted(given), f"give exactly one of {', '.join(STRUCTURED_KEYS)}")
     ((key, v),) = given.items()
-    where = f"{field}.{key}"
+    return from_structured_key(key, v, f"{field}.{key}")
+
+
+def from_structured_key(key: str, value: Any, field: str) -> Constraint:
+    """One of vLLM's ``structured_outputs`` keys (:data:`STRUCTURED_KEYS`) and its value,
+    errors naming ``field`` (``structured_outputs.regex``, or vLLM's older ``guided_regex``).
+
+    Raises:
+        PayloadError: naming ``field``.
+    """
     if key == "json":
-        return Constraint.of_json_schema(v, where)
+        return Constraint.of_json_schema(value, field)
     if key == "regex":
-        return Constraint.of_regex(v, where)
+        return Constraint.of_regex(value, field)
     if key == "choice":
-        return Constraint.of_choice(v, where)
+        return Constraint.of_choice(value, field)
     if key == "grammar":
-        return Constraint.of_grammar(v, where)
-    if v is not True:
-        raise bad(where, v, "must be true")
+        return Constraint.of_grammar(value, field)
+    if value is not True:
+        raise bad(field, value, "must be true")
     return Constraint.of_json_object()

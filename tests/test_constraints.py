@@ -132,6 +132,21 @@ def test_openai_and_vllm_bodies_map_to_one_constraint():
     with pytest.raises(InvalidRequest) as e:
         parse_request(body(structured_outputs={"regex": "[a-"}), "/v1/chat/completions")
     assert e.value.param == "structured_outputs.regex"
+    guided = parse_request(body(guided_choice=CHOICES), "/v1/chat/completions")
+    assert guided.submit["constraint"] == Constraint.of_choice(CHOICES)
+    with pytest.raises(InvalidRequest) as e:
+        parse_request(body(guided_regex="[a-"), "/v1/chat/completions")
+    assert e.value.param == "guided_regex"
+    with pytest.raises(InvalidRequest) as e:
+        parse_request(body(guided_regex="a", response_format=rf), "/v1/chat/completions")
+    assert e.value.param == "structured_outputs" or e.value.param in (
+        "guided_regex",
+        "response_format",
+    )
+    off = {"choice": CHOICES, "disable_any_whitespace": False, "whitespace_pattern": None}
+    assert from_structured_outputs(off) == Constraint.of_choice(CHOICES)
+    with pytest.raises(PayloadError, match=r"^structured_outputs.whitespace_pattern="):
+        from_structured_outputs({"choice": CHOICES, "whitespace_pattern": " "})
     with pytest.raises(InvalidRequest) as e:
         bad = {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}
         parse_request(body(response_format=bad), "/v1/chat/completions")

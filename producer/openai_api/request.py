@@ -3,8 +3,9 @@
 Where OpenAI documents a default, it is used (``temperature`` 1, ``max_tokens`` 16 for
 completions); chat's ``max_tokens`` defaults to mlxq's 256. ``max_completion_tokens`` wins
 over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids``,
-``min_tokens`` and ``structured_outputs`` are taken too (the last, or OpenAI's
-``response_format``, as one constraint: :mod:`mlxq.producer.constraints`); ``user`` is kept
+``min_tokens`` and ``structured_outputs`` (or its older ``guided_*`` fields) are taken too
+(the last, or OpenAI's ``response_format``, as one constraint:
+:mod:`mlxq.producer.constraints`); ``user`` is kept
 in the job's metadata. ``service_tier`` is checked and kept on the request for the front end
 to route by (``mlxq serve --service-tier``); every other field maps onto a
 :meth:`Client.submit` argument, and :func:`submit_supports` keeps that true by refusing, by
@@ -24,7 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxq.producer.client import build_request
-from mlxq.producer.constraints import Constraint, from_response_format, from_structured_outputs
+from mlxq.producer.constraints import (
+    Constraint,
+    from_response_format,
+    from_structured_key,
+    from_structured_outputs,
+)
 from mlxq.producer.errors import InvalidRequest, PayloadError
 from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
 from mlxq.producer.validate import integer_in, invalid, number_in
@@ -56,7 +62,14 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logit_bi
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _OTHER = ("model", "max_tokens", "max_completion_tokens", "n", "logprobs", "user", "metadata")
 _ROUTING = ("service_tier",)
-_VLLM = ("stop_token_ids", "min_tokens", "structured_outputs")
+#: vLLM's older names for ``structured_outputs``' keys, which many clients still send.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_VLLM = ("stop_token_ids", "min_tokens", "structured_outputs", *_GUIDED)
 _COMMON = frozenset(
     (
         *_SAMPLING,
@@ -329,30 +342,30 @@ def _extras(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
 
 
 def _constraint(body: Mapping[str, Any]) -> Constraint | None:
-    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (not both), as one
-    :class:`~mlxq.producer.constraints.Constraint`; None when neither asks for one.
+    """OpenAI's ``response_format``, vLLM's ``structured_outputs`` or one of its older
+    ``guided_*`` fields (one of them), as one
+    :class:`~mlxq.producer.constraints.Constraint`; None when none asks for one.
 
     Raises:
         InvalidRequest: naming the field (``response_format.json_schema.schema``, ...).
     """
     rf, so = body.get("response_format"), body.get("structured_outputs")
+    asked = [
+        k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k) is not None
+    ]
+    if len(asked) > 1:
+        raise invalid(asked[1], body[asked[1]], f"give one of {', '.join(asked)}, not both")
     try:
-        made = [
-            c
-            for c in (
-                from_response_format(rf) if rf is not None else None,
-                from_structured_outputs(so),
-            )
-            if c is not None
-        ]
+        if rf is not None:
+            return from_response_format(rf)
+        if so is not None:
+            return from_structured_outputs(so)
+        if asked:
+            return from_structured_key(_GUIDED[asked[0]], body[asked[0]], asked[0])
     except PayloadError as e:
         m = _PARAM_RE.match(str(e))
         raise InvalidRequest(str(e), m.group(1) if m else None) from None
-    if len(made) > 1:
-        raise invalid(
-            "structured_outputs", so, "give response_format or structured_outputs, not both"
-        )
-    return made[0] if made else None
+    return None
 
 
 def _metadata(body: Mapping[str, Any]) -> Any:
