@@ -344,3 +344,35 @@ def from_structured_key(key: str, value: Any, field: str) -> Constraint:
     if value is not True:
         raise bad(field, value, "must be true")
     return Constraint.of_json_object()
+
+
+#: vLLM's older names for ``structured_outputs``' keys, which many clients still send.
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def from_body(body: Mapping[str, Any]) -> Constraint | None:
+    """An OpenAI request body's constraint: its ``response_format``, vLLM's
+    ``structured_outputs`` or one of vLLM's older ``guided_*`` fields (at most one of
+    them); None when none asks for one.
+
+    Raises:
+        PayloadError: naming the field (``response_format.json_schema.schema``, ...).
+    """
+    asked = [
+        k for k in ("response_format", "structured_outputs", *GUIDED) if body.get(k) is not None
+    ]
+    if len(asked) > 1:
+        raise bad(asked[1], body[asked[1]], f"give one of {', '.join(asked)}, not both")
+    if not asked:
+        return None
+    name = asked[0]
+    if name == "response_format":
+        return from_response_format(body[name])
+    if name == "structured_outputs":
+        return from_structured_outputs(body[name])
+    return from_structured_key(GUIDED[name], body[name], name)

@@ -25,12 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxq.producer.client import build_request
-from mlxq.producer.constraints import (
-    Constraint,
-    from_response_format,
-    from_structured_key,
-    from_structured_outputs,
-)
+from mlxq.producer.constraints import GUIDED, Constraint, from_body
 from mlxq.producer.errors import InvalidRequest, PayloadError
 from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
 from mlxq.producer.validate import integer_in, invalid, number_in
@@ -62,25 +57,11 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logit_bi
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _OTHER = ("model", "max_tokens", "max_completion_tokens", "n", "logprobs", "user", "metadata")
 _ROUTING = ("service_tier",)
-#: vLLM's older names for ``structured_outputs``' keys, which many clients still send.
-_GUIDED = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-_VLLM = ("stop_token_ids", "min_tokens", "structured_outputs", *_GUIDED)
-_COMMON = frozenset(
-    (
-        *_SAMPLING,
-        *_PENALTIES,
-        *_OTHER,
-        *_VLLM,
-        *_ROUTING,
-        "stream",
-        "stream_options",
-        "response_format",
-    )
+_VLLM = ("stop_token_ids", "min_tokens")
+#: A constraint: OpenAI's field, vLLM's, and vLLM's older ones (one of them).
+_FORMATS = frozenset(("response_format", "structured_outputs", *GUIDED))
+_COMMON = _FORMATS | frozenset(
+    (*_SAMPLING, *_PENALTIES, *_OTHER, *_VLLM, *_ROUTING, "stream", "stream_options")
 )
 _KNOWN = {CHAT: _COMMON | {"messages", "top_logprobs"}, COMPLETIONS: _COMMON | {"prompt"}}
 #: Field names remembered as warned about; past this many, new ones are not told by name.
@@ -342,30 +323,13 @@ def _extras(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
 
 
 def _constraint(body: Mapping[str, Any]) -> Constraint | None:
-    """OpenAI's ``response_format``, vLLM's ``structured_outputs`` or one of its older
-    ``guided_*`` fields (one of them), as one
-    :class:`~mlxq.producer.constraints.Constraint`; None when none asks for one.
-
-    Raises:
-        InvalidRequest: naming the field (``response_format.json_schema.schema``, ...).
-    """
-    rf, so = body.get("response_format"), body.get("structured_outputs")
-    asked = [
-        k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k) is not None
-    ]
-    if len(asked) > 1:
-        raise invalid(asked[1], body[asked[1]], f"give one of {', '.join(asked)}, not both")
+    """The body's constraint (:func:`~mlxq.producer.constraints.from_body`), its error in
+    OpenAI's shape naming the field (``response_format.json_schema.schema``, ...)."""
     try:
-        if rf is not None:
-            return from_response_format(rf)
-        if so is not None:
-            return from_structured_outputs(so)
-        if asked:
-            return from_structured_key(_GUIDED[asked[0]], body[asked[0]], asked[0])
+        return from_body(body)
     except PayloadError as e:
         m = _PARAM_RE.match(str(e))
         raise InvalidRequest(str(e), m.group(1) if m else None) from None
-    return None
 
 
 def _metadata(body: Mapping[str, Any]) -> Any:
