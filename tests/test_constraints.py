@@ -384,3 +384,13 @@ def test_grammar_rows_advance_each_constrained_row_and_leave_the_others_open(loa
     done = allowed([b, 0, d])
     eos = {tok.decode([t]) for t in tok.eos_token_ids}
     assert done[0] == done[2] == eos
+
+
+def test_lark_and_gbnf_grammars_hold_the_answer(loaded):
+    reqs = {
+        "lark": build_request("G:", grammar='start: "x" ("y" | "z")~2..4 "!"', max_tokens=12),
+        "gbnf": build_request("G:", grammar='root ::= ("yes" | "no") " " [0-9]', max_tokens=12),
+    }
+    got = _run(Engine(*loaded), reqs)
+    assert re.fullmatch("x[yz]{2,4}!", got["lark"][0][0]) and got["lark"][0][2] == "stop"
+    assert re.fullmatch("(yes|no) [0-9]", got["gbnf"][0][0]) and got["gbnf"][0][2] == "stop"
