@@ -52,9 +52,15 @@ class Grammars:
 
     def _llg_tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = LLTokenizer(
-                _tokenizer_json(self._source), n_vocab=self.vocab_size, eos_token=self._eos
-            )
+            try:
+                self._tokenizer = LLTokenizer(
+                    _tokenizer_json(self._source), n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            except (ValueError, RuntimeError) as e:  # each constrained job fails, saying why
+                why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                raise PayloadError(
+                    f"constraint: llguidance cannot read this tokenizer: {why}"
+                ) from None
         return self._tokenizer
 
     def compile(self, constraint: Constraint) -> LLMatcher:
