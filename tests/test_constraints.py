@@ -394,3 +394,38 @@ def test_lark_and_gbnf_grammars_hold_the_answer(loaded):
     got = _run(Engine(*loaded), reqs)
     assert re.fullmatch("x[yz]{2,4}!", got["lark"][0][0]) and got["lark"][0][2] == "stop"
     assert re.fullmatch("(yes|no) [0-9]", got["gbnf"][0][0]) and got["gbnf"][0][2] == "stop"
+
+
+REAL_EOS = {"qwen3": [151645, 151643], "llama3_1": [128001, 128008, 128009], "gemma3": [1, 106]}
+
+
+@pytest.fixture(scope="module", params=sorted(REAL_EOS))
+def real_loaded(request, tmp_path_factory):
+    import os
+    from pathlib import Path
+
+    from mlxq.worker.tiny import build_tiny_model_with_tokenizer
+
+    cache = Path(os.environ.get("MLXQ_TOKENIZER_CACHE", Path.home() / ".cache/mlxq/tokenizers"))
+    src = cache / request.param
+    if not (src / "tokenizer.json").is_file():
+        pytest.skip(f"no {request.param} tokenizer in {cache}: `make tokenizers` fetches it")
+    path = build_tiny_model_with_tokenizer(
+        tmp_path_factory.mktemp(request.param), src, eos_ids=REAL_EOS[request.param]
+    )
+    return mlx_lm.load(str(path))
+
+
+def test_real_tokenizers_hold_the_answer(real_loaded):
+    words = ["café", "naïve", "你好", "🙂 ok"]
+    reqs = {
+        "schema": build_request(
+            "A person:", json_schema=SCHEMA, max_tokens=120, seed=1, temperature=1.0
+        ),
+        "choice": build_request("Pick:", choice=words, max_tokens=12, temperature=1.0, n=4),
+        "regex": build_request("Code:", regex=REGEX, max_tokens=20, temperature=1.0, seed=2),
+    }
+    got = _run(Engine(*real_loaded, max_batch=8), reqs)
+    jsonschema.validate(json.loads(got["schema"][0][0]), SCHEMA)
+    assert all(t in words and f == "stop" for t, _, f in got["choice"])
+    assert re.fullmatch(REGEX, got["regex"][0][0])
