@@ -181,8 +181,8 @@ class Client:
             n: Samples of the prompt, 1 to 16, as ``Result.choices``; choice i of a
                 seeded job is seeded ``seed + i``.
             logprobs: Report each sampled token's log-probability (of the model's
-                distribution after penalties and bias, before temperature and the
-                top_p / top_k / min_p filters, as OpenAI reports them).
+                distribution after penalties, bias and a constraint's mask, before
+                temperature and the top_p / top_k / min_p filters, as OpenAI reports them).
             top_logprobs: With ``logprobs``, also the 0 to 20 most likely tokens.
             presence_penalty: In [-2, 2]: subtracted once from the logit of each
                 token among the last 20 of prompt and output (OpenAI's meaning).
@@ -193,6 +193,18 @@ class Client:
             stop_token_ids: Token ids that end the completion (kept out of it).
             min_tokens: Until this many tokens are made, end-of-sequence and
                 ``stop_token_ids`` cannot be sampled.
+            response_format: OpenAI's: ``{"type": "text"}`` (no constraint),
+                ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+                {"name": ..., "schema": {...}, "strict": true}}``.
+            json_schema: The answer is JSON valid against this schema (a map or its
+                JSON text), laid out compactly.
+            regex: The answer matches this regular expression whole.
+            choice: The answer is exactly one of these strings.
+            grammar: The answer derives from this grammar's ``start`` rule (Lark, as
+                llguidance reads it, or GBNF).
+            constraint: A :class:`~mlxq.producer.constraints.Constraint` made already.
+                At most one of these six; the answer ends (``finish_reason`` "stop")
+                once the constraint allows nothing but its end.
 
         Returns:
             The job's handle.

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from mlxq.producer import validate
+from mlxq.producer.constraint_options import ConstraintOptions
+from mlxq.producer.constraints import Constraint, from_options
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
 from mlxq.producer.logits_params import LogitsParams
@@ -196,6 +198,15 @@ class GenerationRequest:
     logits: LogitsParams | None = field(
         default=None, metadata=group(LogitsParams, build=logits_params)
     )
+    # Given as one of ConstraintOptions' keywords (or a Constraint itself); the payload
+    # carries only the constraint, and only when there is one.
+    constraint: Constraint | None = field(
+        default=None,
+        metadata={
+            **group(ConstraintOptions, build=from_options),
+            **option(sparse=True, encode=_maybe(Constraint.to_payload)),
+        },
+    )
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -239,6 +250,13 @@ class GenerationRequest:
             raise bad("logits", self.logits, "must be LogitsParams")
         if self.logits is not None and not (self.logits.active or self.logits.stop_token_ids):
             object.__setattr__(self, "logits", None)
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise bad("constraint", self.constraint, "must be a Constraint")
+            if self.logits is not None and self.logits.min_tokens:
+                # A finished constraint allows only end-of-sequence, which min_tokens forbids.
+                why = "cannot go with a constraint, which decides where the answer ends"
+                raise bad("min_tokens", self.logits.min_tokens, why)
 
     @property
     def choice_seeds(self) -> list[int | None]:
@@ -289,7 +307,7 @@ class GenerationRequest:
 
 
 #: Every option's name, as a payload key.
-PAYLOAD_KEYS = frozenset(s.name for s in specs(GenerationRequest))
+PAYLOAD_KEYS = frozenset(s.name for s in specs(GenerationRequest) if s.option.payload)
 #: The keyword arguments :meth:`Client.submit` takes.
 SUBMIT_OPTIONS = frozenset(s.name for s in specs(GenerationRequest) if s.option.submit)
 
@@ -329,6 +347,12 @@ class SubmitOptions(TypedDict, total=False):
     min_tokens: int
     logit_bias: Mapping[int, float] | None
     stop_token_ids: Sequence[int] | None
+    response_format: Mapping[str, Any] | str | None
+    json_schema: Mapping[str, Any] | str | None
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
+    constraint: Constraint | None
 
 
 class JobOptions(SubmitOptions, total=False):

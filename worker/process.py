@@ -220,6 +220,9 @@ class Worker:
             max_context=self.engine.max_context or 0,
             vocab_size=self.engine.vocab_size,
             model_digest=self.model_digest,
+            constrained_rows=c.constrained_rows,
+            constraint_compiles=c.constraint_compiles,
+            mask_ms=round(c.mask_ms, 3),
         )
 
 

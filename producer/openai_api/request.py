@@ -2,16 +2,18 @@
 
 Where OpenAI documents a default, it is used (``temperature`` 1, ``max_tokens`` 16 for
 completions); chat's ``max_tokens`` defaults to mlxq's 256. ``max_completion_tokens`` wins
-over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids`` and
-``min_tokens`` are taken too; ``user`` is kept in the job's metadata. ``service_tier`` is
-checked and kept on the request for the front end to route by (``mlxq serve
---service-tier``); every other field maps onto a :meth:`Client.submit` argument, and
-:func:`submit_supports` keeps that true by refusing, by name, any field whose argument
-``submit`` lacks. Unknown fields are ignored, with one warning per field name per process
-(for the first :data:`MAX_WARNED_NAMES` names); an object with more than
-:data:`MAX_UNKNOWN_FIELDS` of them or one named longer than :data:`MAX_FIELD_NAME_CHARS`,
-nesting deeper than :data:`MAX_DEPTH` and a string UTF-8 cannot carry (a lone surrogate)
-are refused, naming where.
+over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids``,
+``min_tokens`` and ``structured_outputs`` (or its older ``guided_*`` fields) are taken too
+(the last, or OpenAI's ``response_format``, as one constraint:
+:mod:`mlxq.producer.constraints`); ``user`` is kept
+in the job's metadata. ``service_tier`` is checked and kept on the request for the front end
+to route by (``mlxq serve --service-tier``); every other field maps onto a
+:meth:`Client.submit` argument, and :func:`submit_supports` keeps that true by refusing, by
+name, any field whose argument ``submit`` lacks. Unknown fields are ignored, with one
+warning per field name per process (for the first :data:`MAX_WARNED_NAMES` names); an object
+with more than :data:`MAX_UNKNOWN_FIELDS` of them or one named longer than
+:data:`MAX_FIELD_NAME_CHARS`, nesting deeper than :data:`MAX_DEPTH` and a string UTF-8
+cannot carry (a lone surrogate) are refused, naming where.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxq.producer.client import build_request
+from mlxq.producer.constraints import GUIDED, Constraint, from_body
 from mlxq.producer.errors import InvalidRequest, PayloadError
 from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
 from mlxq.producer.validate import integer_in, invalid, number_in
@@ -55,7 +58,9 @@ _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _OTHER = ("model", "max_tokens", "max_completion_tokens", "n", "logprobs", "user", "metadata")
 _ROUTING = ("service_tier",)
 _VLLM = ("stop_token_ids", "min_tokens")
-_COMMON = frozenset(
+#: A constraint: OpenAI's field, vLLM's, and vLLM's older ones (one of them).
+_FORMATS = frozenset(("response_format", "structured_outputs", *GUIDED))
+_COMMON = _FORMATS | frozenset(
     (*_SAMPLING, *_PENALTIES, *_OTHER, *_VLLM, *_ROUTING, "stream", "stream_options")
 )
 _KNOWN = {CHAT: _COMMON | {"messages", "top_logprobs"}, COMPLETIONS: _COMMON | {"prompt"}}
@@ -70,7 +75,7 @@ MAX_FIELD_NAME_CHARS = 256
 MAX_DEPTH = 32
 _warned: set[str] = set()
 # "name=value: why", as mlxq's payload checks word their errors.
-_PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.\w+)?)=")
+_PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.\w+)*)=")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -308,11 +313,23 @@ def _extras(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
         extra["min_tokens"] = min_tokens
     if stop_ids := _stop_token_ids(body.get("stop_token_ids")):
         extra["stop_token_ids"] = stop_ids
+    if (constraint := _constraint(body)) is not None:
+        extra["constraint"] = constraint
     for name, v in extra.items():
         if not submit_supports(name):
             why = "not supported by this mlxq version (needs worker support)"
             raise invalid(name, body.get(name, v), why)
     return extra
+
+
+def _constraint(body: Mapping[str, Any]) -> Constraint | None:
+    """The body's constraint (:func:`~mlxq.producer.constraints.from_body`), its error in
+    OpenAI's shape naming the field (``response_format.json_schema.schema``, ...)."""
+    try:
+        return from_body(body)
+    except PayloadError as e:
+        m = _PARAM_RE.match(str(e))
+        raise InvalidRequest(str(e), m.group(1) if m else None) from None
 
 
 def _metadata(body: Mapping[str, Any]) -> Any:
