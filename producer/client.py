@@ -193,6 +193,17 @@ class Client:
             stop_token_ids: Token ids that end the completion (kept out of it).
             min_tokens: Until this many tokens are made, end-of-sequence and
                 ``stop_token_ids`` cannot be sampled.
+            tools: Functions the model may call, OpenAI's ``[{"type": "function",
+                "function": {"name", "description", "parameters"}}]``, rendered through
+                the model's chat template (``messages`` only). A chat may then carry an
+                assistant turn's ``tool_calls`` (its content None) and ``tool`` turns
+                with a ``tool_call_id``.
+            tool_choice: ``"auto"`` (with tools, the default: the model may call them,
+                in its own format), ``"none"``, ``"required"`` or ``{"type":
+                "function", "function": {"name": ...}}``; the last two constrain the
+                answer to the JSON of the call(s) (see :mod:`mlxq.producer.tools`).
+            parallel_tool_calls: With ``tool_choice="required"``: a list of one or more
+                calls (True, the default) or exactly one call.
 
         Returns:
             The job's handle.

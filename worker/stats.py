@@ -95,6 +95,9 @@ class WorkerStats:
     #: The fingerprint of the model served (``mlxq.worker.identity``; ``model`` is the
     #: path or repo id it was given): workers of one queue serve the same one.
     model_digest: str = ""
+    #: The tool-call format the model's answers use (``mlxq.producer.tools.FORMATS``),
+    #: which a gateway reads ``tool_choice="auto"`` answers in; "": none mlxq reads.
+    tool_format: str = ""
 
     @property
     def state(self) -> str:
