@@ -193,6 +193,18 @@ class Client:
             stop_token_ids: Token ids that end the completion (kept out of it).
             min_tokens: Until this many tokens are made, end-of-sequence and
                 ``stop_token_ids`` cannot be sampled.
+            response_format: OpenAI's: ``{"type": "text"}`` (no constraint),
+                ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+                {"name": ..., "schema": {...}, "strict": true}}``.
+            json_schema: The answer is JSON valid against this schema (a map or its
+                JSON text), laid out compactly.
+            regex: The answer matches this regular expression whole.
+            choice: The answer is exactly one of these strings.
+            grammar: The answer derives from this grammar's ``start`` rule (Lark, as
+                llguidance reads it, or GBNF).
+            constraint: A :class:`~mlxq.producer.constraints.Constraint` made already.
+                At most one of these six; the answer ends (``finish_reason`` "stop")
+                once the constraint allows nothing but its end.
             tools: Functions the model may call, OpenAI's ``[{"type": "function",
                 "function": {"name", "description", "parameters"}}]``, rendered through
                 the model's chat template (``messages`` only). A chat may then carry an

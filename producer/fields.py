@@ -34,6 +34,7 @@ class Option:
     sparse: bool = False
     rides_with: str | None = None
     cli: Mapping[str, Any] | None = None
+    payload: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,8 @@ def option(**kw: Any) -> dict[str, Option]:
         rides_with: Written to the payload exactly when this other (earlier) field is.
         cli: ``argparse`` keywords of its ``mlxq submit`` flag (the default is the
             field's unless given); None: no flag.
+        payload: False: a way to give the field's group (a submit keyword, a flag), never
+            a payload key; the group's field carries the value.
     """
     return {_OPTION: Option(**kw)}
 
@@ -77,7 +80,9 @@ def flag(help: str, **argparse: Any) -> dict[str, Option]:
 
 def group(of: type, build: Callable[..., Any] | None = None) -> dict[str, Any]:
     """A field's metadata declaring it a group of options: the fields of ``of``, whose
-    values ``build`` (default: ``of`` itself) turns into the field's value."""
+    values ``build`` (default: ``of`` itself) turns into the field's value. Merged with
+    :func:`option`'s, the field is an option too (its own payload key), and ``build``
+    is also given its own value, when that is given."""
     return {_GROUP: _Group(of, build or of)}
 
 
@@ -99,7 +104,7 @@ def specs(cls: type) -> tuple[Spec, ...]:
                 for g in inner
                 if _OPTION in g.metadata
             ]
-        elif _OPTION in f.metadata:
+        if _OPTION in f.metadata:
             out.append(Spec(f.name, f.metadata[_OPTION], None, _default(f)))
     return tuple(out)
 
@@ -114,7 +119,9 @@ def given(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
 def decoded(cls: type, payload: Mapping[str, Any]) -> dict[str, Any]:
     """A payload's option values as field values, through each ``decode``."""
     return {
-        s.name: _through(s.option.decode, payload[s.name]) for s in specs(cls) if s.name in payload
+        s.name: _through(s.option.decode, payload[s.name])
+        for s in specs(cls)
+        if s.name in payload and s.option.payload
     }
 
 
@@ -130,6 +137,8 @@ def assemble(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
         if _GROUP in f.metadata:
             g = f.metadata[_GROUP]
             names = [x.name for x in dataclasses.fields(g.of)]
+            if _OPTION in f.metadata and f.name in values:
+                names.append(f.name)
             kw[f.name] = g.build(**{n: values[n] for n in names if n in values})
         elif _OPTION in f.metadata and f.name in values:
             kw[f.name] = values[f.name]
@@ -142,6 +151,8 @@ def encode(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cls: type = type(obj)
     for s in specs(cls):
+        if not s.option.payload:
+            continue
         owner = obj if s.group is None else getattr(obj, s.group)
         value = s.default if owner is None else getattr(owner, s.name)
         if s.option.rides_with is not None:

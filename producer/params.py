@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from mlxq.producer import validate
+from mlxq.producer.constraints import Constraint, ConstraintOptions, from_options
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
 from mlxq.producer.logits_params import LogitsParams
+from mlxq.producer.tools import call_schema
 from mlxq.producer.validate import bad, integer, number, text
 
 PAYLOAD_VERSION = 1
@@ -196,6 +198,15 @@ class GenerationRequest:
     logits: LogitsParams | None = field(
         default=None, metadata=group(LogitsParams, build=logits_params)
     )
+    # Given as one of ConstraintOptions' keywords (or a Constraint itself); the payload
+    # carries only the constraint, and only when there is one.
+    constraint: Constraint | None = field(
+        default=None,
+        metadata={
+            **group(ConstraintOptions, build=from_options),
+            **option(sparse=True, encode=_maybe(Constraint.to_payload)),
+        },
+    )
     tools: tuple[dict[str, Any], ...] | None = field(
         default=None, metadata=option(given=_maybe(tuple), encode=_maybe(list), sparse=True)
     )
@@ -242,6 +253,20 @@ class GenerationRequest:
             object.__setattr__(self, "tool_choice", choice)
         if not isinstance(self.parallel_tool_calls, bool):
             raise bad("parallel_tool_calls", self.parallel_tool_calls, "must be true or false")
+        schema = call_schema(self.tools or (), self.tool_choice, self.parallel_tool_calls)
+        if schema is None:
+            return
+        # A forced call is an answer held to the call's JSON: the constraint says so (a
+        # payload read back carries that same one).
+        forced = Constraint.of_json_schema(schema, "tools")
+        if self.constraint is None:
+            object.__setattr__(self, "constraint", forced)
+        elif self.constraint != forced:
+            raise bad(
+                "tool_choice",
+                self.tool_choice,
+                "holds the answer to its call: give no other constraint",
+            )
 
     def _check_samples(self) -> None:
         if not 1 <= integer("n", self.n) <= MAX_N:
@@ -256,6 +281,8 @@ class GenerationRequest:
             raise bad("logits", self.logits, "must be LogitsParams")
         if self.logits is not None and not (self.logits.active or self.logits.stop_token_ids):
             object.__setattr__(self, "logits", None)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise bad("constraint", self.constraint, "must be a Constraint")
 
     @property
     def choice_seeds(self) -> list[int | None]:
@@ -306,7 +333,7 @@ class GenerationRequest:
 
 
 #: Every option's name, as a payload key.
-PAYLOAD_KEYS = frozenset(s.name for s in specs(GenerationRequest))
+PAYLOAD_KEYS = frozenset(s.name for s in specs(GenerationRequest) if s.option.payload)
 #: The keyword arguments :meth:`Client.submit` takes.
 SUBMIT_OPTIONS = frozenset(s.name for s in specs(GenerationRequest) if s.option.submit)
 
@@ -346,6 +373,12 @@ class SubmitOptions(TypedDict, total=False):
     min_tokens: int
     logit_bias: Mapping[int, float] | None
     stop_token_ids: Sequence[int] | None
+    response_format: Mapping[str, Any] | str | None
+    json_schema: Mapping[str, Any] | str | None
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
+    constraint: Constraint | None
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: str | Mapping[str, Any] | None
     parallel_tool_calls: bool
