@@ -136,6 +136,11 @@ def _strings(value: Any) -> tuple[Any, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _listed(value: Any) -> Any:
+    """A list as a tuple; anything else as it is, for its check to name."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 def _or_empty(value: Any) -> Any:
     return () if value is None else value
 
@@ -208,7 +213,7 @@ class GenerationRequest:
         },
     )
     tools: tuple[dict[str, Any], ...] | None = field(
-        default=None, metadata=option(given=_maybe(tuple), encode=_maybe(list), sparse=True)
+        default=None, metadata=option(given=_listed, encode=_maybe(list), sparse=True)
     )
     tool_choice: str | dict[str, Any] | None = field(default=None, metadata=option(sparse=True))
     parallel_tool_calls: bool = field(default=True, metadata=option(sparse=True))
