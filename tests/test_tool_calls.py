@@ -158,3 +158,32 @@ def test_auto_renders_the_tools_and_reads_the_answer(qwen_served, qwen_model, qu
     # The random model writes no call: its text is the content.
     assert res.choices[0].message.tool_calls is None
     assert res.choices[0].finish_reason in ("stop", "length")
+
+
+# -- run-batch: the same mapping ---------------------------------------------------------
+
+
+def test_run_batch_reads_tool_fields_as_the_gateway(
+    start_worker, redis_server, queue_name, tmp_path
+):
+    from test_run_batch import RunBatch, chat, read_jsonl, write_batch
+
+    _published(start_worker())
+    inp = write_batch(
+        tmp_path / "in.jsonl",
+        [
+            chat("auto", "Weather?", queue_name, tools=TOOLS, max_tokens=4),
+            chat("none", "Weather?", queue_name, tools=TOOLS, tool_choice="none", max_tokens=4),
+            chat("bad", "Weather?", queue_name, tools=TOOLS, tool_choice="sometimes"),
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    run = RunBatch(tmp_path, redis_server.url, inp, out)
+    assert run.wait() in (0, 1), run.stderr()
+    got = {rec["custom_id"]: rec for rec in read_jsonl(out)}
+    auto = got["auto"]["response"]
+    assert auto["status_code"] == 400
+    assert "needs a model whose tool-call format" in auto["body"]["error"]["message"]
+    assert got["none"]["response"]["status_code"] == 200
+    assert got["none"]["response"]["body"]["choices"][0]["message"]["content"] is not None
+    assert got["bad"]["response"] is None and got["bad"]["error"]["param"] == "tool_choice"
