@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxq.batching.grammar import GrammarRows, RowMatcher
 from mlxq.batching.logits import LogitsRows
 from mlxq.batching.logprobs import LogprobRows
 from mlxq.batching.sampler import RowParams, sample
@@ -32,6 +33,7 @@ class _Row:
     top_logprobs: int | None
     before: int = 0
     done: int = 0
+    grammar: RowMatcher | None = None
 
 
 class RowSampler:
@@ -51,6 +53,7 @@ class RowSampler:
         self._params: RowParams | None = None
         self._logits_rows: LogitsRows | None = None
         self._logprob_rows: LogprobRows | None = None
+        self._grammar_rows: GrammarRows | None = None
         self._positions: mx.array | None = None
         self._calls_bound = 0
         self.calls = 0
@@ -62,11 +65,15 @@ class RowSampler:
         logits: LogitsParams | None = None,
         top_logprobs: int | None = None,
         generated: int = 0,
+        grammar: RowMatcher | None = None,
     ) -> None:
         """A row joins: its sampling params, processors, log-prob request (None: none;
-        else how many alternatives it wants), and the tokens it generated before (a row
-        put back after a pause goes on from there: its seeded draws and ``min_tokens``)."""
-        self._by_uid[uid] = _Row(params, logits, top_logprobs, generated, generated)
+        else how many alternatives it wants), the tokens it generated before (a row
+        put back after a pause goes on from there: its seeded draws and ``min_tokens``)
+        and its constraint's matcher (None: unconstrained), which the row's record owns."""
+        if grammar is not None:
+            grammar.fresh = True  # its first step is fed a token it has seen
+        self._by_uid[uid] = _Row(params, logits, top_logprobs, generated, generated, grammar)
 
     def drop(self, uid: int) -> None:
         self._by_uid.pop(uid, None)
@@ -96,6 +103,7 @@ class RowSampler:
         self._logprob_rows = (
             LogprobRows.from_requests(tops) if any(t is not None for t in tops) else None
         )
+        self._grammar_rows = GrammarRows.bind([r.grammar for r in self._bound], self.vocab_size)
 
     def logits_rows(self, vocab_size: int) -> LogitsRows | None:
         """The bound rows' processors as arrays; None when no row has any."""
@@ -106,6 +114,11 @@ class RowSampler:
                 [r.logits for r in self._bound], vocab_size, self.eos
             )
         return self._logits_rows
+
+    @property
+    def grammar_rows(self) -> GrammarRows | None:
+        """The bound rows' constraints; None when no row has one."""
+        return self._grammar_rows
 
     @property
     def logprob_rows(self) -> LogprobRows | None:

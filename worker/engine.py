@@ -26,6 +26,7 @@ from mlxq.worker.chat import render, tool_format
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.detok import Detokenizer, special_ids
 from mlxq.worker.generator import Generator, StepCounters
+from mlxq.worker.grammars import Grammars
 from mlxq.worker.jobs import Job
 from mlxq.worker.logprob_entries import LogprobEntries
 from mlxq.worker.prompt_cache import PromptCache, default_budget
@@ -102,6 +103,7 @@ class Engine:
         self.tool_format = tool_format(tokenizer)
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._special = special_ids(tokenizer)
+        self.grammars = Grammars(tokenizer, self.vocab_size, self._eos, self.counters)
         self._kw = dict(
             completion_batch_size=max_batch,
             prefill_batch_size=max_batch,
@@ -210,6 +212,8 @@ class Engine:
                     raise PayloadError(
                         f"{name}: token id {t} is past the vocabulary ({self.vocab_size} tokens)"
                     )
+        if req.constraint is not None:  # compiled (once per constraint) ahead of need
+            self.grammars.compile(req.constraint)
         return list(ids)
 
     def add(self, jobs: Sequence[Job]) -> None:
@@ -238,7 +242,10 @@ class Engine:
         )
         for uid, (job, i), stop in zip(uids, rows, stops, strict=True):
             detok = Detokenizer(self.tokenizer, self._special)
-            self._join(Row(uid, job, i, detok, StopMatcher(job.request.stop), stop))
+            c = job.request.constraint
+            grammar = self.grammars.row(c) if c is not None else None
+            self.counters.constrained_rows += grammar is not None
+            self._join(Row(uid, job, i, detok, StopMatcher(job.request.stop), stop, grammar))
         self.counters.prompt_tokens += sum(len(job.prompt_ids) for job, _ in rows)
 
     def _join(self, row: Row) -> None:
@@ -248,7 +255,7 @@ class Engine:
         # Stop token ids alone change no logit: such a row costs the step nothing.
         logits = req.logits if req.logits is not None and req.logits.active else None
         top = req.top_logprobs if req.logprobs else None
-        self.sampler.add(row.uid, sampling, logits, top, generated=row.generated)
+        self.sampler.add(row.uid, sampling, logits, top, row.generated, row.grammar)
         row.status = RowStatus.RUNNING
         self._rows[row.uid] = row
         self._running += 1

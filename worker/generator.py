@@ -8,14 +8,16 @@ the two places mlx-lm samples: ``GenerationBatch._step`` (every decode step) and
 0.32.2, whose ``filter`` re-indexes every per-row list; ``tests/test_engine.py`` pins the
 alignment.
 
-Logits processors (penalties, logit_bias, min_tokens) and log-probs are batched too:
-see :class:`_BoundGenerationBatch`. mlx-lm's own per-row ``logits_processors`` are never
-used, since any of them would send every step down a Python loop over rows.
+Logits processors (penalties, logit_bias, min_tokens), constraints' token masks and
+log-probs are batched too: see :class:`_BoundGenerationBatch`. mlx-lm's own per-row
+``logits_processors`` are never used, since any of them would send every step down a
+Python loop over rows.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -30,6 +32,7 @@ from mlx_lm.generate import (
 )
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxq.batching.grammar import apply_bitmask
 from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import apply
 from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
@@ -57,6 +60,11 @@ class StepCounters:
     preemptions: int = 0
     resumes: int = 0
     resume_tokens_recomputed: int = 0
+    #: Rows that decoded under a constraint, constraints compiled for this model (each
+    #: once, then cached), and milliseconds the decode thread spent filling their masks.
+    constrained_rows: int = 0
+    constraint_compiles: int = 0
+    mask_ms: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
     #: Prefill forward passes by rows (how many passes prefilled that many prompts at
     #: once), and the distinct (rows, padded length) shapes among them: each new shape
@@ -143,9 +151,18 @@ class _BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         self._current_logprobs = self._next_logprobs
         inputs: Any = self._current_tokens
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        grammar = sampler.grammar_rows
+        if grammar is not None:
+            # The forward pass runs while the host reads the fed tokens and fills masks.
+            mx.async_eval(logits)
+            start = time.perf_counter()
+            bitmask = grammar.masks(_ints(inputs))
+            self.counters.mask_ms += (time.perf_counter() - start) * 1000
         rows = sampler.logits_rows(logits.shape[-1])
         if rows is not None:
             logits = apply(logits, self._history_for(sampler, inputs), rows)
+        if grammar is not None:
+            logits = apply_bitmask(logits, bitmask)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = sampler(logprobs)
         pending: list[mx.array] = []

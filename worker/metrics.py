@@ -197,6 +197,13 @@ COUNTERS = (
         "Tokens prefilled again for resumed rows whose KV was dropped",
     ),
     ("mlxq_decode_steps", "decode_steps", "Decode steps run"),
+    ("mlxq_constrained_rows", "constrained_rows", "Rows decoded under a constraint"),
+    (
+        "mlxq_constraint_compiles",
+        "constraint_compiles",
+        "Constraints compiled for the model (each once, then cached)",
+    ),
+    ("mlxq_mask_ms", "mask_ms", "Milliseconds spent filling constrained rows' token masks"),
     ("mlxq_vectorized_steps", "vectorized_steps", "Decode steps sampled in one call"),
     (
         "mlxq_jobs_handed_out",

@@ -221,6 +221,9 @@ class Worker:
             vocab_size=self.engine.vocab_size,
             tool_format=self.engine.tool_format,
             model_digest=self.model_digest,
+            constrained_rows=c.constrained_rows,
+            constraint_compiles=c.constraint_compiles,
+            mask_ms=round(c.mask_ms, 3),
         )
 
 

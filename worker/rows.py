@@ -4,8 +4,9 @@ One :class:`Row` per choice of a running job (a job asking ``n`` samples holds `
 rows), kept by the :class:`~mlxq.worker.engine.Engine` from the insert that makes it to
 the step or removal that ends it. It holds everything the engine needs about that row:
 which job and choice it decodes for, its streaming detokenizer, its stop strings and stop
-tokens, and its counters. A paused row (taken out of the batch with its KV and put back
-later) is one more :class:`RowStatus` and a field for that KV here, not another table.
+tokens, its constraint's matcher, and its counters. A paused row (taken out of the batch
+with its KV and put back later) is one more :class:`RowStatus` and a field for that KV
+here, not another table.
 
 Each step turns every row's new token into one :class:`Delta`: text, token ids,
 log-prob entries and, on its last token, the reason it ended. The job
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from mlxq.batching.grammar import RowMatcher
 from mlxq.batching.stops import StopMatcher
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ class Row:
         detok: Its streaming detokenizer (mlx-lm's, one per row).
         stops: Its stop strings, matched over the streamed text.
         stop_tokens: The token ids that end it (end-of-sequence, and the request's own).
+        grammar: Its constraint's matcher (None: unconstrained), kept across a pause.
     """
 
     uid: int
@@ -49,6 +52,7 @@ class Row:
     detok: Any
     stops: StopMatcher
     stop_tokens: frozenset[int]
+    grammar: RowMatcher | None = None
     status: RowStatus = RowStatus.RUNNING
     generated: int = 0  # tokens sampled, end-of-sequence included (usage counts it)
     #: While paused: its KV state, one cache per layer (None: dropped, or it was still in

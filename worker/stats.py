@@ -95,6 +95,11 @@ class WorkerStats:
     #: The fingerprint of the model served (``mlxq.worker.identity``; ``model`` is the
     #: path or repo id it was given): workers of one queue serve the same one.
     model_digest: str = ""
+    #: Structured outputs: rows that decoded under a constraint, constraints compiled for
+    #: the model (once each, then cached), and milliseconds spent filling their token masks.
+    constrained_rows: int = 0
+    constraint_compiles: int = 0
+    mask_ms: float = 0.0
     #: The tool-call format the model's answers use (``mlxq.producer.tools.FORMATS``),
     #: which a gateway reads ``tool_choice="auto"`` answers in; "": none mlxq reads.
     tool_format: str = ""

@@ -2,16 +2,17 @@
 
 Where OpenAI documents a default, it is used (``temperature`` 1, ``max_tokens`` 16 for
 completions); chat's ``max_tokens`` defaults to mlxq's 256. ``max_completion_tokens`` wins
-over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids`` and
-``min_tokens`` are taken too; ``user`` is kept in the job's metadata. ``service_tier`` is
-checked and kept on the request for the front end to route by (``mlxq serve
---service-tier``); every other field maps onto a :meth:`Client.submit` argument, and
-:func:`submit_supports` keeps that true by refusing, by name, any field whose argument
-``submit`` lacks. Unknown fields are ignored, with one warning per field name per process
-(for the first :data:`MAX_WARNED_NAMES` names); an object with more than
-:data:`MAX_UNKNOWN_FIELDS` of them or one named longer than :data:`MAX_FIELD_NAME_CHARS`,
-nesting deeper than :data:`MAX_DEPTH` and a string UTF-8 cannot carry (a lone surrogate)
-are refused, naming where.
+over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_ids``,
+``min_tokens`` and ``structured_outputs`` are taken too (the last, or OpenAI's
+``response_format``, as one constraint: :mod:`mlxq.producer.constraints`); ``user`` is kept
+in the job's metadata. ``service_tier`` is checked and kept on the request for the front end
+to route by (``mlxq serve --service-tier``); every other field maps onto a
+:meth:`Client.submit` argument, and :func:`submit_supports` keeps that true by refusing, by
+name, any field whose argument ``submit`` lacks. Unknown fields are ignored, with one
+warning per field name per process (for the first :data:`MAX_WARNED_NAMES` names); an object
+with more than :data:`MAX_UNKNOWN_FIELDS` of them or one named longer than
+:data:`MAX_FIELD_NAME_CHARS`, nesting deeper than :data:`MAX_DEPTH` and a string UTF-8
+cannot carry (a lone surrogate) are refused, naming where.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxq.producer.client import build_request
+from mlxq.producer.constraints import Constraint, from_response_format, from_structured_outputs
 from mlxq.producer.errors import InvalidRequest, PayloadError
 from mlxq.producer.openai_api.tool_calls import TOOL_FIELDS, mode, tool_fields
 from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
@@ -55,9 +57,18 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logit_bi
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _OTHER = ("model", "max_tokens", "max_completion_tokens", "n", "logprobs", "user", "metadata")
 _ROUTING = ("service_tier",)
-_VLLM = ("stop_token_ids", "min_tokens")
+_VLLM = ("stop_token_ids", "min_tokens", "structured_outputs")
 _COMMON = frozenset(
-    (*_SAMPLING, *_PENALTIES, *_OTHER, *_VLLM, *_ROUTING, "stream", "stream_options")
+    (
+        *_SAMPLING,
+        *_PENALTIES,
+        *_OTHER,
+        *_VLLM,
+        *_ROUTING,
+        "stream",
+        "stream_options",
+        "response_format",
+    )
 )
 _KNOWN = {
     CHAT: _COMMON | {"messages", "top_logprobs", *TOOL_FIELDS},
@@ -322,11 +333,40 @@ def _extras(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
         extra["min_tokens"] = min_tokens
     if stop_ids := _stop_token_ids(body.get("stop_token_ids")):
         extra["stop_token_ids"] = stop_ids
+    if (constraint := _constraint(body)) is not None:
+        extra["constraint"] = constraint
     for name, v in extra.items():
         if not submit_supports(name):
             why = "not supported by this mlxq version (needs worker support)"
             raise invalid(name, body.get(name, v), why)
     return extra
+
+
+def _constraint(body: Mapping[str, Any]) -> Constraint | None:
+    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (not both), as one
+    :class:`~mlxq.producer.constraints.Constraint`; None when neither asks for one.
+
+    Raises:
+        InvalidRequest: naming the field (``response_format.json_schema.schema``, ...).
+    """
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    try:
+        made = [
+            c
+            for c in (
+                from_response_format(rf) if rf is not None else None,
+                from_structured_outputs(so),
+            )
+            if c is not None
+        ]
+    except PayloadError as e:
+        m = _PARAM_RE.match(str(e))
+        raise InvalidRequest(str(e), m.group(1) if m else None) from None
+    if len(made) > 1:
+        raise invalid(
+            "structured_outputs", so, "give response_format or structured_outputs, not both"
+        )
+    return made[0] if made else None
 
 
 def _metadata(body: Mapping[str, Any]) -> Any:

@@ -1,0 +1,271 @@
+"""Structured outputs without Redis: the constraint contract, the batch's mask, the engine.
+
+The engine runs the tiny random-weight model, whose free text is noise: every answer
+below parses or matches only because the constraint held it to its shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from mlxq.producer.client import build_request
+from mlxq.producer.constraints import (
+    MAX_CONSTRAINT_CHARS,
+    Constraint,
+    from_response_format,
+    from_structured_outputs,
+)
+from mlxq.producer.errors import InvalidRequest, PayloadError
+from mlxq.producer.openai_api import parse_request
+from mlxq.producer.params import GenerationRequest
+
+mlx_lm = pytest.importorskip("mlx_lm")
+mx = pytest.importorskip("mlx.core")
+
+from mlxq.batching.grammar import apply_bitmask, bitmask_width  # noqa: E402
+from mlxq.worker.engine import Engine  # noqa: E402
+from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+CHOICES = ["yes", "no", "maybe so"]
+REGEX = r"[0-9]{3}-[a-z]{2,5}"
+
+
+# The contract: canonical values, the fields errors name.
+
+
+def test_equal_constraints_compare_and_hash_equal():
+    a = build_request("x", json_schema={"b": 1, "type": "object"}).constraint
+    b = build_request("x", json_schema='{"type": "object", "b": 1}').constraint
+    c = build_request(
+        "x",
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"schema": {"type": "object", "b": 1}},
+        },
+    ).constraint
+    assert a == b == c and len({a, b, c}) == 1
+    assert build_request("x", choice=["a", "b"]).constraint == Constraint.of_choice(["a", "b"])
+    assert build_request("x", response_format={"type": "text"}).constraint is None
+
+
+def test_the_payload_carries_the_constraint_only_when_set():
+    plain = build_request("x").to_payload()
+    assert "constraint" not in plain
+    req = build_request("x", regex=REGEX, max_tokens=7)
+    payload = req.to_payload()
+    assert payload["constraint"] == {"kind": "regex", "value": REGEX}
+    assert GenerationRequest.from_payload(payload) == req
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"regex": "[a-"}, "regex="),
+        ({"json_schema": {"type": "nope"}}, "json_schema="),
+        ({"json_schema": "{not json"}, "json_schema="),
+        ({"grammar": "start: missing_rule"}, "grammar="),
+        ({"choice": []}, "choice="),
+        ({"choice": ["a", 5]}, "choice[1]="),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format.json_schema.schema=",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type="),
+        ({"regex": "a", "choice": ["a"]}, "regex="),
+        ({"constraint": {"kind": "regex", "value": "(("}}, "constraint="),
+        ({"json_schema": {"description": "x" * MAX_CONSTRAINT_CHARS}}, "json_schema="),
+    ],
+)
+def test_bad_constraints_are_refused_at_submit_naming_the_field(kw, field):
+    with pytest.raises(PayloadError) as e:
+        build_request("x", **kw)
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_a_payload_altered_to_a_bad_constraint_is_refused():
+    payload = build_request("x", regex="a+").to_payload()
+    payload["constraint"] = {"kind": "regex", "value": "(("}
+    with pytest.raises(PayloadError, match=r"^constraint="):
+        GenerationRequest.from_payload(payload)
+    payload["constraint"] = {"kind": "sql", "value": "x"}
+    with pytest.raises(PayloadError, match=r"constraint.kind="):
+        GenerationRequest.from_payload(payload)
+
+
+def test_openai_and_vllm_bodies_map_to_one_constraint():
+    def body(**kw):
+        return {"model": "q", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}
+    got = parse_request(body(response_format=rf), "/v1/chat/completions").submit["constraint"]
+    assert got == Constraint.of_json_schema(SCHEMA)
+    so = parse_request(body(structured_outputs={"choice": CHOICES}), "/v1/chat/completions")
+    assert so.submit["constraint"] == Constraint.of_choice(CHOICES)
+    assert from_structured_outputs({"json": json.dumps(SCHEMA)}) == got
+    assert from_response_format({"type": "json_object"}) == Constraint.of_json_object()
+    with pytest.raises(InvalidRequest) as e:
+        parse_request(body(structured_outputs={"regex": "[a-"}), "/v1/chat/completions")
+    assert e.value.param == "structured_outputs.regex"
+    with pytest.raises(InvalidRequest) as e:
+        bad = {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}
+        parse_request(body(response_format=bad), "/v1/chat/completions")
+    assert e.value.param == "response_format.json_schema.schema"
+
+
+# The mask: one op over the batch.
+
+
+def _pack(allowed: list[list[bool]]) -> mx.array:
+    words = []
+    for row in allowed:
+        w = [0] * bitmask_width(len(row))
+        for j, ok in enumerate(row):
+            if ok:
+                w[j // 32] |= 1 << (j % 32)
+        words.append([x - (1 << 32) if x >= 1 << 31 else x for x in w])
+    return mx.array(words, dtype=mx.int32)
+
+
+def test_the_bitmask_sets_exactly_the_disallowed_tokens_to_minus_infinity():
+    vocab = 70  # three words, the last one partly past the vocabulary
+    allowed = [[True] * vocab, [j in (0, 31, 32, 63, 69) for j in range(vocab)]]
+    logits = mx.arange(2 * vocab, dtype=mx.float32).reshape(2, vocab)
+    out = apply_bitmask(logits, _pack(allowed))
+    for i in range(2):
+        for j in range(vocab):
+            want = float(logits[i, j]) if allowed[i][j] else -float("inf")
+            assert float(out[i, j]) == want
+    assert out.dtype == logits.dtype
+    half = apply_bitmask(logits.astype(mx.bfloat16), _pack(allowed))
+    assert half.dtype == mx.bfloat16 and mx.argmax(half[1]).item() == 69
+
+
+# The engine on the tiny model.
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return mlx_lm.load(str(tiny_model))
+
+
+def _run(engine: Engine, reqs: dict[str, GenerationRequest], pause=None):
+    jobs = {n: Job(n, r, engine.encode(r)) for n, r in reqs.items()}
+    for j in jobs.values():
+        j.start("exec")
+    engine.add(list(jobs.values()))
+    steps = 0
+    while engine.active or (pause and steps < pause[2]):
+        apply_deltas(engine.step())
+        steps += 1
+        if pause and steps == pause[1]:
+            engine.pause([jobs[pause[0]]])
+        if pause and steps == pause[2]:
+            engine.resume([jobs[pause[0]]])
+    return {
+        n: [("".join(c.text), c.token_ids, c.finish_reason) for c in j.choices]
+        for n, j in jobs.items()
+    }
+
+
+def _mixed() -> dict[str, GenerationRequest]:
+    return {
+        "schema": build_request("A person:", json_schema=SCHEMA, max_tokens=120),
+        "schema_hot": build_request(
+            "Another:", json_schema=SCHEMA, max_tokens=120, temperature=1.2, seed=5, n=2
+        ),
+        "choice": build_request("Pick one", choice=CHOICES, max_tokens=10, temperature=1.0),
+        "regex": build_request("Code:", regex=REGEX, max_tokens=20, top_k=5, temperature=0.8),
+        "free": build_request("The harbour at dawn", max_tokens=30),
+        "free_hot": build_request("Numbers", max_tokens=30, temperature=1.0, seed=9),
+        "logprobs": build_request(
+            "Pick", choice=CHOICES, max_tokens=10, logprobs=True, top_logprobs=3
+        ),
+    }
+
+
+def test_constrained_answers_hold_their_shape_in_a_mixed_batch(loaded):
+    engine = Engine(*loaded, max_batch=16)
+    got = _run(engine, _mixed())
+    for text, _, finish in got["schema"] + got["schema_hot"]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert finish == "stop"
+    assert all(t in CHOICES and f == "stop" for t, _, f in got["choice"] + got["logprobs"])
+    assert all(re.fullmatch(REGEX, t) and f == "stop" for t, _, f in got["regex"])
+    c = engine.counters
+    assert c.vectorized_steps == c.decode_steps > 0
+    assert c.constrained_rows == 6
+    assert c.constraint_compiles == 3  # one schema, one choice, one regex
+    assert c.mask_ms > 0
+    # Unconstrained rows decode as they would alone.
+    for name in ("free", "free_hot"):
+        alone = _run(Engine(*loaded, max_batch=16), {name: _mixed()[name]})
+        assert got[name] == alone[name]
+
+
+def test_a_constrained_row_decodes_as_it_would_alone(loaded):
+    req = build_request("Code:", regex=REGEX, max_tokens=20, temperature=0.9, seed=11)
+    alone = _run(Engine(*loaded), {"r": req})
+    mixed = _run(Engine(*loaded, max_batch=16), {**_mixed(), "r": req})
+    assert mixed["r"] == alone["r"]
+
+
+def test_log_probs_are_those_of_the_masked_distribution(loaded):
+    req = build_request("Pick", choice=["yes", "no"], max_tokens=10, logprobs=True, top_logprobs=5)
+    job = Job("j", req, (engine := Engine(*loaded)).encode(req))
+    job.start("exec")
+    engine.add([job])
+    while engine.active:
+        apply_deltas(engine.step())
+    entries = job.choices[0].logprobs
+    assert entries and "".join(job.choices[0].text) in ("yes", "no")
+    first = entries[0]
+    # The first token has at most two allowed continuations ("y..." or "n..."); every
+    # other token is masked out (its log-prob -inf, reported as OpenAI's -9999), so the
+    # alternatives shown are those, and the allowed tokens' mass is one.
+    finite = [t for t in first["top_logprobs"] if t["logprob"] > -9999]
+    assert 1 <= len(finite) <= 2
+    assert abs(sum(2.718281828459045 ** t["logprob"] for t in finite) - 1) < 1e-3
+
+
+def test_a_paused_constrained_row_goes_on_as_if_never_paused(loaded):
+    reqs = {
+        "c": build_request("Spell", regex=r"[a-z ]{40}", max_tokens=60, temperature=1.0, seed=3),
+        "g": build_request("Spell", regex=r"[a-z ]{40}", max_tokens=60),
+        "by": build_request("Something else", max_tokens=50),
+    }
+    unpaused = _run(Engine(*loaded, max_batch=8), reqs)
+    for name in ("c", "g"):
+        paused = _run(Engine(*loaded, max_batch=8), reqs, pause=(name, 6, 12))
+        assert paused == unpaused
+        assert re.fullmatch(r"[a-z ]{40}", paused[name][0][0])
+
+
+def test_a_constraint_the_model_cannot_compile_fails_at_encode(loaded):
+    engine = Engine(*loaded)
+    # Compiles without a tokenizer, but names a token past this model's vocabulary.
+    bad = build_request("x", grammar="start: <[5000]>")
+    with pytest.raises(PayloadError, match=r"constraint \(grammar\): does not compile for this"):
+        engine.encode(bad)
+
+
+def test_a_sweep_of_one_constraint_compiles_it_once(loaded):
+    engine = Engine(*loaded)
+    for i in range(5):
+        engine.encode(build_request(f"q{i}", json_schema=SCHEMA))
+        engine.encode(build_request(f"q{i}", choice=CHOICES))
+    assert engine.counters.constraint_compiles == 2
