@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from conftest import GatewayFactory, WorkerFactory, WorkerProcess
@@ -187,3 +188,142 @@ def test_run_batch_reads_tool_fields_as_the_gateway(
     assert got["none"]["response"]["status_code"] == 200
     assert got["none"]["response"]["body"]["choices"][0]["message"]["content"] is not None
     assert got["bad"]["response"] is None and got["bad"]["error"]["param"] == "tool_choice"
+
+
+# -- forced calls: any model ----------------------------------------------------------------
+
+CONVERT = {
+    "type": "function",
+    "function": {
+        "name": "convert",
+        "description": "Convert an amount of money.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "amount": {"type": "integer", "minimum": 0, "maximum": 1000},
+                "to": {"type": "string", "enum": ["EUR", "USD", "JPY"]},
+            },
+            "required": ["amount", "to"],
+            "additionalProperties": False,
+        },
+    },
+}
+#: Tools whose calls are short whatever the random model picks.
+BOUNDED = [WEATHER, CONVERT]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+
+
+def _check_calls(calls: list[Any], names: set[str]) -> list[tuple[str, Any]]:
+    """Each call as (name, arguments), once its shape, name and arguments are checked."""
+    out = []
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_")
+        assert c.function.name in names
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, PARAMETERS[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+def _streamed(oai: openai.OpenAI, **kw: Any) -> tuple[str | None, list[tuple[str, Any]], str]:
+    """A streamed answer reassembled: its content, its calls, its finish."""
+    content, calls, finish = None, {}, None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.delta.content:
+                content = (content or "") + ch.delta.content
+            for d in ch.delta.tool_calls or ():
+                if d.id is not None:
+                    assert d.type == "function" and d.id.startswith("call_")
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return content, [(n, json.loads(a)) for n, a in calls.values()], str(finish)
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        "required",
+        {"type": "function", "function": {"name": "convert"}},
+        {"type": "function", "function": {"name": "get_weather"}},
+    ],
+)
+def test_a_forced_call_is_the_call_streamed_or_not(tiny_served, queue_name, choice):
+    kw = dict(model=queue_name, messages=ASK, tools=BOUNDED, tool_choice=choice)
+    kw.update(max_tokens=200, temperature=0)
+    res = tiny_served.chat.completions.create(**kw)
+    msg, finish = res.choices[0].message, res.choices[0].finish_reason
+    assert finish == "tool_calls" and msg.content is None, (finish, msg)
+    names = {choice["function"]["name"]} if isinstance(choice, dict) else set(PARAMETERS)
+    calls = _check_calls(msg.tool_calls or [], names)
+    assert calls
+    # Greedy, the stream is the same answer, in OpenAI's delta shape.
+    assert _streamed(tiny_served, **kw) == (None, calls, "tool_calls")
+
+
+def test_required_without_parallel_calls_is_one_call(tiny_served, queue_name):
+    res = tiny_served.chat.completions.create(
+        model=queue_name,
+        messages=ASK,
+        tools=BOUNDED,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=1.0,
+        seed=7,
+        n=3,
+    )
+    for choice in res.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert len(_check_calls(choice.message.tool_calls or [], set(PARAMETERS))) == 1
+
+
+def test_a_forced_call_cut_short_is_text(tiny_served, queue_name):
+    res = tiny_served.chat.completions.create(
+        model=queue_name, messages=ASK, tools=BOUNDED, tool_choice="required", max_tokens=3
+    )
+    choice = res.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content and choice.message.content.startswith("[")
+
+
+def test_auto_reads_the_call_a_model_writes_streamed_or_not(qwen_served, queue_name):
+    # The random model writes noise: a grammar makes it write Qwen's own call markup (its
+    # <tool_call> and </tool_call> tokens, 151657 and 151658), which auto then reads as
+    # any Qwen model's answer.
+    call = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    grammar = f'start: "Checking.\\n" <[151657]> {json.dumps(call)} <[151658]>'
+    kw: dict[str, Any] = dict(model=queue_name, messages=ASK, tools=TOOLS, max_tokens=100)
+    kw["extra_body"] = {"structured_outputs": {"grammar": grammar}}
+    res = qwen_served.chat.completions.create(**kw)
+    msg, finish = res.choices[0].message, res.choices[0].finish_reason
+    assert finish == "tool_calls" and msg.content == "Checking.", (finish, msg)
+    calls = _check_calls(msg.tool_calls or [], {"get_weather"})
+    assert calls == [("get_weather", {"city": "Paris"})]
+    assert _streamed(qwen_served, **kw) == ("Checking.", calls, "tool_calls")
+
+
+def test_run_batch_answers_forced_calls(start_worker, redis_server, queue_name, tmp_path):
+    from openai.types.chat import ChatCompletion
+    from test_run_batch import RunBatch, chat, read_jsonl, write_batch
+
+    _published(start_worker())
+    named = {"type": "function", "function": {"name": "convert"}}
+    body = dict(tools=BOUNDED, max_tokens=200, temperature=0)
+    inp = write_batch(
+        tmp_path / "in.jsonl",
+        [
+            chat("required", "Convert 5", queue_name, tool_choice="required", **body),
+            chat("named", "Convert 5", queue_name, tool_choice=named, **body),
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    run = RunBatch(tmp_path, redis_server.url, inp, out)
+    assert run.wait() == 0, run.stderr()
+    for rec in read_jsonl(out):
+        parsed = ChatCompletion.model_validate(rec["response"]["body"])
+        choice = parsed.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        names = {"convert"} if rec["custom_id"] == "named" else set(PARAMETERS)
+        assert _check_calls(choice.message.tool_calls or [], names)
