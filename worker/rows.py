@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from mlxq.batching.grammar import RowMatcher
 from mlxq.batching.stops import StopMatcher
 
 if TYPE_CHECKING:
+    from mlxq.batching.grammar import RowMatcher
     from mlxq.worker.jobs import Job
 
 
