@@ -23,7 +23,7 @@ from mlxq.producer.constraints import Constraint, ConstraintOptions, from_option
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
 from mlxq.producer.logits_params import LogitsParams
-from mlxq.producer.tools import call_schema
+from mlxq.producer.tools import call_grammar
 from mlxq.producer.validate import bad, integer, number, text
 
 PAYLOAD_VERSION = 1
@@ -258,12 +258,12 @@ class GenerationRequest:
             object.__setattr__(self, "tool_choice", choice)
         if not isinstance(self.parallel_tool_calls, bool):
             raise bad("parallel_tool_calls", self.parallel_tool_calls, "must be true or false")
-        schema = call_schema(self.tools or (), self.tool_choice, self.parallel_tool_calls)
-        if schema is None:
+        grammar = call_grammar(self.tools or (), self.tool_choice, self.parallel_tool_calls)
+        if grammar is None:
             return
         # A forced call is an answer held to the call's JSON: the constraint says so (a
         # payload read back carries that same one).
-        forced = Constraint.of_json_schema(schema, "tools")
+        forced = Constraint.of_grammar(grammar, "tools")
         if self.constraint is None:
             object.__setattr__(self, "constraint", forced)
         elif self.constraint != forced:

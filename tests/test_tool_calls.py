@@ -279,13 +279,25 @@ def test_required_without_parallel_calls_is_one_call(tiny_served, queue_name):
         assert len(_check_calls(choice.message.tool_calls or [], set(PARAMETERS))) == 1
 
 
-def test_a_forced_call_cut_short_is_text(tiny_served, queue_name):
-    res = tiny_served.chat.completions.create(
-        model=queue_name, messages=ASK, tools=BOUNDED, tool_choice="required", max_tokens=3
-    )
+def test_a_forced_call_cut_short_streams_as_it_answers(tiny_served, queue_name):
+    # Cut by max_tokens inside the arguments: the call begun, its arguments as far as they
+    # were written, finish_reason "length" (as OpenAI answers); the same streamed.
+    kw = dict(model=queue_name, messages=ASK, tools=BOUNDED, max_tokens=30, temperature=0)
+    kw["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    res = tiny_served.chat.completions.create(**kw)
     choice = res.choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content and choice.message.content.startswith("[")
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    content, calls, finish = None, {}, None
+    for chunk in tiny_served.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or ():
+                calls.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+            content = content or ch.delta.content
+            finish = ch.finish_reason or finish
+    assert (content, finish) == (None, "length")
+    assert calls == {0: ["get_weather", call.function.arguments]}
 
 
 def test_auto_reads_the_call_a_model_writes_streamed_or_not(qwen_served, queue_name):

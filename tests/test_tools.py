@@ -17,14 +17,16 @@ from mlxq.producer.errors import InvalidRequest
 from mlxq.producer.openai_api import CHAT, ChunkFormatter, completion_body, parse_request
 from mlxq.producer.openai_api.tool_calls import auto_needs_format
 from mlxq.producer.params import GenerationRequest
+from mlxq.producer.tool_parsers import CallSplitter, calls_of, split
 from mlxq.producer.tools import (
     FORCED,
     HERMES,
     LLAMA3_JSON,
-    CallSplitter,
+    ArgsPart,
+    CallHead,
     ToolCall,
+    call_grammar,
     call_schema,
-    split,
 )
 
 WEATHER = {
@@ -96,9 +98,18 @@ def test_llama3_text_is_content():
     assert split('{"not": "a call"}', LLAMA3_JSON) == ('{"not": "a call"}', [])
 
 
+# What a forced answer looks like (call_grammar's layout), braces and quotes in strings.
+FORCED_TEXT = (
+    '[{"name":"get_weather","arguments":{"city":"P{a]r\\"is","unit":"c"}},'
+    '{"name":"get_time","arguments":{"at":{"tz":[1,{"x":"}"}]}}}]'
+)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
-    st.sampled_from([(QWEN_TEXT, HERMES), *((t, LLAMA3_JSON) for t in LLAMA_TEXTS)]),
+    st.sampled_from(
+        [(QWEN_TEXT, HERMES), (FORCED_TEXT, FORCED), *((t, LLAMA3_JSON) for t in LLAMA_TEXTS)]
+    ),
     st.lists(st.integers(1, 400), max_size=12),
 )
 def test_streamed_pieces_read_as_the_whole(case, cuts):
@@ -108,7 +119,7 @@ def test_streamed_pieces_read_as_the_whole(case, cuts):
     splitter = CallSplitter(fmt)
     out = [p for piece in pieces for p in splitter.feed(piece)] + splitter.finish()
     content = "".join(p for p in out if isinstance(p, str)) or None
-    assert (content, [p for p in out if isinstance(p, ToolCall)]) == split(text, fmt)
+    assert (content, calls_of(out)) == split(text, fmt)
     # No markup is ever told as content.
     assert not any(isinstance(p, str) and ("<tool_call" in p or '"name"' in p) for p in out)
 
@@ -137,12 +148,44 @@ def test_call_schema_holds_calls_to_the_tools():
 
 
 def test_forced_answers_read_as_calls():
-    assert split('[{"name":"get_time","arguments":{}}]', FORCED) == (
+    content, calls = split(FORCED_TEXT, FORCED)
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": 'P{a]r"is', "unit": "c"}
+    assert json.loads(calls[1].arguments) == {"at": {"tz": [1, {"x": "}"}]}}
+    assert split('{"name":"get_time","arguments":{}}', FORCED) == (
         None,
         [ToolCall("get_time", "{}")],
     )
-    cut = '[{"name":"get_weather","arguments":{"ci'  # ended by max_tokens
-    assert split(cut, FORCED) == (cut, [])
+    # Cut short by max_tokens: the calls begun, the last one's arguments as written (as
+    # OpenAI answers then); before any call's name, the text.
+    assert split('[{"name":"get_weather","arguments":{"ci', FORCED) == (
+        None,
+        [ToolCall("get_weather", '{"ci')],
+    )
+    assert split('[{"name":"get_', FORCED) == ('[{"name":"get_', [])
+    # A head is told as soon as the name is whole.
+    splitter = CallSplitter(FORCED)
+    assert splitter.feed('[{"name":"get_time"') == []
+    assert splitter.feed(',"arguments":{') == [CallHead("get_time"), ArgsPart("{")]
+    # Not the forced shape at all (a worker that did not hold the answer to it): text.
+    assert split("noise {", FORCED) == ("noise {", [])
+
+
+@pytest.mark.parametrize(
+    "choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_call_grammar_compiles_and_holds_the_schema_shape(choice, parallel):
+    from llguidance import LLMatcher, grammar_from
+
+    grammar = call_grammar(TOOLS, choice, parallel)
+    assert grammar is not None
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar_from("grammar", grammar))
+    assert not failed, messages
+    # The name comes first, so a model picks the function before its arguments.
+    assert '"{\\"name\\":\\"get_weather\\",\\"arguments\\":"' in grammar
+    assert grammar.startswith('start: "["') == (choice == "required" and parallel)
 
 
 # -- the request ---------------------------------------------------------------------
@@ -154,8 +197,8 @@ def _request(**kw: Any) -> GenerationRequest:
 
 def test_a_forced_choice_is_a_json_schema_constraint_that_round_trips():
     req = _request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
-    assert req.constraint is not None and req.constraint.kind == "json_schema"
-    assert json.loads(req.constraint.value) == call_schema(TOOLS, "required", parallel=False)
+    assert req.constraint is not None and req.constraint.kind == "grammar"
+    assert req.constraint.value == call_grammar(TOOLS, "required", parallel=False)
     assert GenerationRequest.from_payload(req.to_payload()) == req
     auto = _request(tools=TOOLS)
     assert auto.constraint is None and "tool_choice" not in auto.to_payload()

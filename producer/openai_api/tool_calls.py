@@ -7,8 +7,8 @@ request remembers how its answer holds calls (:func:`mode`). An answer with call
 arguments}``, arguments as JSON text), ``content`` None unless the model also wrote text,
 and ``finish_reason`` ``tool_calls``. Streamed, each call is a ``delta.tool_calls`` entry
 with its ``index``: a first chunk with ``id``, ``type``, ``function.name`` and empty
-arguments, then one with the arguments; text around calls streams as content, the call
-markup never does.
+arguments, then its arguments (a forced call's as they are written; a call in the model's
+own format once whole); text around calls streams as content, the call markup never does.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mlxq.producer.tools import FORCED, FORMATS, CallSplitter, ToolCall, call_id, forced, split
+from mlxq.producer.tool_parsers import CallSplitter, Piece, split
+from mlxq.producer.tools import FORCED, FORMATS, ArgsPart, ToolCall, call_id, forced
 from mlxq.producer.validate import invalid
 
 #: The chat body's fields about tools.
@@ -105,22 +106,30 @@ class DeltaReader:
         self._splitter = CallSplitter(fmt)
         self.calls = 0
 
-    def _deltas(self, pieces: list[str | ToolCall]) -> list[dict[str, Any]]:
+    def _deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for p in pieces:
             if isinstance(p, str):
                 out.append({"content": p})
-                continue
-            index, self.calls = self.calls, self.calls + 1
-            head = {
-                "index": index,
-                "id": call_id(),
-                "type": "function",
-                "function": {"name": p.name, "arguments": ""},
-            }
-            out.append({"tool_calls": [head]})
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": p.arguments}}]})
+            elif isinstance(p, ArgsPart):
+                if p.text:
+                    out.append(self._args(p.text))
+            else:
+                self.calls += 1
+                head = {
+                    "index": self.calls - 1,
+                    "id": call_id(),
+                    "type": "function",
+                    "function": {"name": p.name, "arguments": ""},
+                }
+                out.append({"tool_calls": [head]})
+                if isinstance(p, ToolCall):
+                    out.append(self._args(p.arguments))
         return out
+
+    def _args(self, text: str) -> dict[str, Any]:
+        """The delta of more arguments of the call last begun."""
+        return {"tool_calls": [{"index": self.calls - 1, "function": {"arguments": text}}]}
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas ``text`` completes (none while a call or a marker is being read)."""
