@@ -53,6 +53,7 @@ def default_num_candidates() -> int:
 
 
 _M1, _M2, _GOLD = (mx.array(c, dtype=mx.uint32) for c in (0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9))
+_BELOW_ONE = mx.array(1.0 - 2.0**-24, dtype=mx.float32)  # the largest float32 under 1
 
 
 def _fmix32(h: mx.array) -> mx.array:
@@ -67,7 +68,10 @@ def _fmix32(h: mx.array) -> mx.array:
 def _hash_gumbel(tokens: mx.array, key1: mx.array, key2: mx.array) -> mx.array:
     # Compiled so the ~12 integer ops fuse into one pass: as fast as mx.random.gumbel.
     h = _fmix32(_fmix32(tokens ^ key1) + key2)
-    u = ((h >> 8).astype(mx.float32) + 0.5) * (2.0**-24)  # in (0, 1), never 0 or 1
+    # In (0, 1): the largest of the 2**24 values, (2**24 - 0.5) / 2**24, rounds to 1.0 in
+    # float32, whose noise would be +inf and win the draw even for a token of probability
+    # 0 (one a constraint masked out); it is held just below 1.
+    u = mx.minimum(((h >> 8).astype(mx.float32) + 0.5) * (2.0**-24), _BELOW_ONE)
     return -mx.log(-mx.log(u))
 
 

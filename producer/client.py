@@ -181,8 +181,8 @@ class Client:
             n: Samples of the prompt, 1 to 16, as ``Result.choices``; choice i of a
                 seeded job is seeded ``seed + i``.
             logprobs: Report each sampled token's log-probability (of the model's
-                distribution after penalties and bias, before temperature and the
-                top_p / top_k / min_p filters, as OpenAI reports them).
+                distribution after penalties, bias and a constraint's mask, before
+                temperature and the top_p / top_k / min_p filters, as OpenAI reports them).
             top_logprobs: With ``logprobs``, also the 0 to 20 most likely tokens.
             presence_penalty: In [-2, 2]: subtracted once from the logit of each
                 token among the last 20 of prompt and output (OpenAI's meaning).

@@ -16,13 +16,11 @@ vLLM's ``structured_outputs`` (:func:`from_structured_outputs`).
 from __future__ import annotations
 
 import json
-from argparse import ArgumentTypeError
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from mlxq.producer.fields import option
 from mlxq.producer.validate import bad, text
 
 #: The kinds of constraint.
@@ -85,6 +83,8 @@ class Constraint:
             canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise bad(field, schema, f"must be JSON data ({e})") from None
+        except RecursionError:
+            raise bad(field, "<a deep object>", "nested too deeply") from None
         return _checked(cls, "json_schema", canonical, field)
 
     @classmethod
@@ -332,71 +332,3 @@ def from_structured_outputs(value: Any, field: str = "structured_outputs") -> Co
     if v is not True:
         raise bad(where, v, "must be true")
     return Constraint.of_json_object()
-
-
-def _text_or_file(arg: str) -> str:
-    """A flag's text, or with ``@path`` the file's."""
-    if not arg.startswith("@"):
-        return arg
-    try:
-        with open(arg[1:], encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise ArgumentTypeError(f"cannot read {arg[1:]!r}: {e.strerror}") from None
-
-
-@dataclass(frozen=True, slots=True)
-class ConstraintOptions:
-    """The submit keywords and ``mlxq submit`` flags that ask for a :class:`Constraint`
-    (at most one per job); none is a payload key: the request's ``constraint`` is."""
-
-    response_format: Any = field(
-        default=None,
-        metadata=option(
-            payload=False,
-            cli=dict(
-                type=_text_or_file,
-                metavar="JSON",
-                help="OpenAI response_format: JSON text, @file, 'text' or 'json_object' "
-                "(default: none)",
-            ),
-        ),
-    )
-    json_schema: Any = field(
-        default=None,
-        metadata=option(
-            payload=False,
-            cli=dict(
-                type=_text_or_file,
-                metavar="JSON",
-                help="the answer is JSON valid against this schema: JSON text or @file "
-                "(default: none)",
-            ),
-        ),
-    )
-    regex: Any = field(
-        default=None,
-        metadata=option(
-            payload=False, cli=dict(help="the answer matches this regex whole (default: none)")
-        ),
-    )
-    choice: Any = field(
-        default=None,
-        metadata=option(
-            payload=False,
-            cli=dict(
-                action="append", help="the answer is one of these, repeatable (default: none)"
-            ),
-        ),
-    )
-    grammar: Any = field(
-        default=None,
-        metadata=option(
-            payload=False,
-            cli=dict(
-                type=_text_or_file,
-                help="the answer derives from this Lark or GBNF grammar: text or @file "
-                "(default: none)",
-            ),
-        ),
-    )

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from mlxq.producer import validate
-from mlxq.producer.constraints import Constraint, ConstraintOptions, from_options
+from mlxq.producer.constraint_options import ConstraintOptions
+from mlxq.producer.constraints import Constraint, from_options
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
 from mlxq.producer.logits_params import LogitsParams
@@ -286,8 +287,13 @@ class GenerationRequest:
             raise bad("logits", self.logits, "must be LogitsParams")
         if self.logits is not None and not (self.logits.active or self.logits.stop_token_ids):
             object.__setattr__(self, "logits", None)
-        if self.constraint is not None and not isinstance(self.constraint, Constraint):
-            raise bad("constraint", self.constraint, "must be a Constraint")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise bad("constraint", self.constraint, "must be a Constraint")
+            if self.logits is not None and self.logits.min_tokens:
+                # A finished constraint allows only end-of-sequence, which min_tokens forbids.
+                why = "cannot go with a constraint, which decides where the answer ends"
+                raise bad("min_tokens", self.logits.min_tokens, why)
 
     @property
     def choice_seeds(self) -> list[int | None]:

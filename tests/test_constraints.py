@@ -6,6 +6,7 @@ below parses or matches only because the constraint held it to its shape.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -87,6 +88,7 @@ def test_the_payload_carries_the_constraint_only_when_set():
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type="),
         ({"regex": "a", "choice": ["a"]}, "regex="),
+        ({"regex": "a+", "min_tokens": 3}, "min_tokens="),
         ({"constraint": {"kind": "regex", "value": "(("}}, "constraint="),
         ({"json_schema": {"description": "x" * MAX_CONSTRAINT_CHARS}}, "json_schema="),
     ],
@@ -95,6 +97,15 @@ def test_bad_constraints_are_refused_at_submit_naming_the_field(kw, field):
     with pytest.raises(PayloadError) as e:
         build_request("x", **kw)
     assert str(e.value).startswith(field), str(e.value)
+
+
+def test_a_schema_nested_past_the_stack_is_refused_by_name():
+    deep: dict[str, object] = {}
+    cur = deep
+    for _ in range(5000):
+        cur["x"] = cur = {}
+    with pytest.raises(PayloadError, match=r"^json_schema=.*nested too deeply"):
+        build_request("x", json_schema=deep)
 
 
 def test_a_payload_altered_to_a_bad_constraint_is_refused():
@@ -163,7 +174,7 @@ def loaded(tiny_model):
     return mlx_lm.load(str(tiny_model))
 
 
-def _run(engine: Engine, reqs: dict[str, GenerationRequest], pause=None):
+def _run(engine: Engine, reqs: dict[str, GenerationRequest], pause=None, cancel=None):
     jobs = {n: Job(n, r, engine.encode(r)) for n, r in reqs.items()}
     for j in jobs.values():
         j.start("exec")
@@ -176,6 +187,8 @@ def _run(engine: Engine, reqs: dict[str, GenerationRequest], pause=None):
             engine.pause([jobs[pause[0]]])
         if pause and steps == pause[2]:
             engine.resume([jobs[pause[0]]])
+        if cancel and steps == cancel[1]:
+            engine.remove([jobs[cancel[0]]])
     return {
         n: [("".join(c.text), c.token_ids, c.finish_reason) for c in j.choices]
         for n, j in jobs.items()
@@ -195,6 +208,15 @@ def _mixed() -> dict[str, GenerationRequest]:
         "logprobs": build_request(
             "Pick", choice=CHOICES, max_tokens=10, logprobs=True, top_logprobs=3
         ),
+        "penalized": build_request(
+            "Code:",
+            regex=REGEX,
+            max_tokens=20,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            logit_bias={20: 5.0},
+            stop=["-q"],
+        ),
     }
 
 
@@ -205,16 +227,33 @@ def test_constrained_answers_hold_their_shape_in_a_mixed_batch(loaded):
         jsonschema.validate(json.loads(text), SCHEMA)
         assert finish == "stop"
     assert all(t in CHOICES and f == "stop" for t, _, f in got["choice"] + got["logprobs"])
-    assert all(re.fullmatch(REGEX, t) and f == "stop" for t, _, f in got["regex"])
+    for t, _, f in got["regex"] + got["penalized"]:
+        assert f == "stop" and (re.fullmatch(REGEX, t) or "-q" in t + "q")
+    assert re.fullmatch(REGEX, got["regex"][0][0])
     c = engine.counters
     assert c.vectorized_steps == c.decode_steps > 0
-    assert c.constrained_rows == 6
+    assert c.constrained_rows == 7
     assert c.constraint_compiles == 3  # one schema, one choice, one regex
     assert c.mask_ms > 0
     # Unconstrained rows decode as they would alone.
     for name in ("free", "free_hot"):
         alone = _run(Engine(*loaded, max_batch=16), {name: _mixed()[name]})
         assert got[name] == alone[name]
+
+
+def test_constrained_rows_through_the_prompt_cache_decode_the_same(loaded):
+    keep = ("schema", "schema_hot", "logprobs", "penalized", "free")
+    long = "A long shared preamble of instructions for every row. " * 8
+    reqs = {
+        k: dataclasses.replace(v, prompt=long + (v.prompt or ""))
+        for k, v in _mixed().items()
+        if k in keep
+    }
+    engine = Engine(*loaded, max_batch=16, prompt_cache_bytes=64 << 20)
+    first = _run(engine, reqs)
+    again = _run(engine, reqs)
+    assert engine.counters.prompt_cache_hits > 0
+    assert again == first
 
 
 def test_a_constrained_row_decodes_as_it_would_alone(loaded):
@@ -269,3 +308,30 @@ def test_a_sweep_of_one_constraint_compiles_it_once(loaded):
         engine.encode(build_request(f"q{i}", json_schema=SCHEMA))
         engine.encode(build_request(f"q{i}", choice=CHOICES))
     assert engine.counters.constraint_compiles == 2
+
+
+def test_a_seeded_draw_never_picks_a_masked_token():
+    # Seed 122 at position 36 once hashed to the one noise value that rounded to +inf in
+    # float32, which won the draw over every allowed token.
+    from mlxq.batching.sampler import RowParams, sample
+    from mlxq.producer.params import SamplingParams
+
+    allowed = [50, 60, 70, 80, 90]
+    x = mx.full((1, 1024), -mx.inf)
+    x[0, mx.array(allowed)] = -1.6
+    rows = RowParams.from_params([SamplingParams(temperature=1.0, seed=122)])
+    drawn = {sample(x, rows, mx.array([p], dtype=mx.uint32)).item() for p in range(2000)}
+    assert drawn <= set(allowed)
+
+
+def test_canceling_a_constrained_row_leaves_the_others_whole(loaded):
+    engine = Engine(*loaded, max_batch=16)
+    reqs = _mixed()
+    got = _run(engine, reqs, cancel=("schema_hot", 4))
+    alone = _run(
+        Engine(*loaded, max_batch=16), {k: v for k, v in reqs.items() if k != "schema_hot"}
+    )
+    for name in ("schema", "free", "free_hot", "logprobs"):
+        assert got[name] == alone[name]
+    jsonschema.validate(json.loads(got["schema"][0][0]), SCHEMA)
+    assert engine.counters.vectorized_steps == engine.counters.decode_steps

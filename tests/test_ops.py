@@ -404,6 +404,9 @@ def test_metrics_endpoint(shared):
         "mlxq_iteration_tokens_total",
         "mlxq_decode_steps",
         "mlxq_vectorized_steps",
+        "mlxq_constrained_rows",
+        "mlxq_constraint_compiles",
+        "mlxq_mask_ms",
         "mlxq_jobs",
         "mlxq_batch_size",
     ):

@@ -155,8 +155,9 @@ class _BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         if grammar is not None:
             # The forward pass runs while the host reads the fed tokens and fills masks.
             mx.async_eval(logits)
+            fed = _ints(inputs)
             start = time.perf_counter()
-            bitmask = grammar.masks(_ints(inputs))
+            bitmask = grammar.masks(fed)
             self.counters.mask_ms += (time.perf_counter() - start) * 1000
         rows = sampler.logits_rows(logits.shape[-1])
         if rows is not None:
