@@ -359,3 +359,19 @@ def test_streamed_calls_in_openai_delta_shape():
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "c"}
     assert [ch["finish_reason"] for ch in choices if ch["finish_reason"]] == ["tool_calls"]
     assert choices[-1]["finish_reason"] == "tool_calls" and choices[-1]["delta"] == {}
+
+
+def test_a_payload_read_back_is_checked_the_same():
+    # What the worker reads from Redis goes through the same checks: a rogue write of
+    # tools, or of a constraint other than the forced call's, fails that job by name.
+    good = _request(tools=TOOLS, tool_choice="required").to_payload()
+    with pytest.raises(PayloadError, match=r"^tools\[0\]\.type="):
+        GenerationRequest.from_payload({**good, "tools": [{**WEATHER, "type": "code"}]})
+    other = _request(regex="a+").to_payload()["constraint"]
+    with pytest.raises(PayloadError, match=r"^tool_choice='required': holds the answer"):
+        GenerationRequest.from_payload({**good, "constraint": other})
+    # Without its constraint, the forced call's is derived again.
+    bare = {k: v for k, v in good.items() if k != "constraint"}
+    assert GenerationRequest.from_payload(bare) == GenerationRequest.from_payload(good)
+    with pytest.raises(PayloadError, match=r"^tools="):
+        GenerationRequest.from_arguments({"prompt": "hi", "tools": TOOLS})
