@@ -375,3 +375,21 @@ def test_a_payload_read_back_is_checked_the_same():
     assert GenerationRequest.from_payload(bare) == GenerationRequest.from_payload(good)
     with pytest.raises(PayloadError, match=r"^tools="):
         GenerationRequest.from_arguments({"prompt": "hi", "tools": TOOLS})
+
+
+def test_the_worker_names_the_format_its_tokenizer_speaks():
+    from types import SimpleNamespace
+
+    import mlx_lm.tool_parsers.json_tools as json_tools
+    import mlx_lm.tool_parsers.mistral as mistral
+
+    from mlxq.worker.chat import tool_format
+
+    # Where mlx-lm's tokenizer wrapper knows the template, its parser names the format.
+    assert tool_format(SimpleNamespace(tool_parser=json_tools.parse_tool_call)) == HERMES
+    # Llama 3.x templates ask for {"name", "parameters"} JSON, after <|python_tag|>.
+    llama = 'Respond in the format {"name": function name, "parameters": ...}<|python_tag|>'
+    assert tool_format(SimpleNamespace(tool_parser=None, chat_template=llama)) == LLAMA3_JSON
+    # A format mlxq does not read, or none: "" (auto is refused).
+    assert tool_format(SimpleNamespace(tool_parser=mistral.parse_tool_call)) == ""
+    assert tool_format(SimpleNamespace(tool_parser=None, chat_template="{{ messages }}")) == ""
