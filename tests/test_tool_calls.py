@@ -339,3 +339,26 @@ def test_run_batch_answers_forced_calls(start_worker, redis_server, queue_name, 
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         names = {"convert"} if rec["custom_id"] == "named" else set(PARAMETERS)
         assert _check_calls(choice.message.tool_calls or [], names)
+
+
+def test_the_producer_api_forces_calls(start_worker, redis_server, queue_name):
+    from mlxq.producer import Client
+    from mlxq.producer.tool_parsers import split
+
+    _published(start_worker())
+    client = Client(redis_server.url, queue=queue_name)
+    named = {"type": "function", "function": {"name": "convert"}}
+    # Seeded draws (each job's its own), the answer held to the call whatever is drawn.
+    jobs = client.submit_many(
+        [
+            dict(messages=ASK, tools=BOUNDED, tool_choice=choice, temperature=1.0, seed=s)
+            for s, choice in enumerate(["required", named, "required", named])
+        ]
+    )
+    for job, choice in zip(jobs, ["required", named] * 2, strict=True):
+        result = job.result(timeout=120)
+        content, calls = split(result.text, "forced")
+        assert content is None and calls and result.finish_reason == "stop", result.text
+        for call in calls:
+            assert call.name == "convert" or choice == "required"
+            jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
