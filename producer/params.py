@@ -24,7 +24,7 @@ from mlxq.producer.constraints import Constraint, from_options
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
 from mlxq.producer.logits_params import LogitsParams
-from mlxq.producer.tools import call_grammar
+from mlxq.producer.tools import constrained
 from mlxq.producer.validate import bad, integer, number, text
 
 PAYLOAD_VERSION = 1
@@ -137,11 +137,6 @@ def _strings(value: Any) -> tuple[Any, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _listed(value: Any) -> Any:
-    """A list as a tuple; anything else as it is, for its check to name."""
-    return tuple(value) if isinstance(value, list) else value
-
-
 def _or_empty(value: Any) -> Any:
     return () if value is None else value
 
@@ -214,7 +209,7 @@ class GenerationRequest:
         },
     )
     tools: tuple[dict[str, Any], ...] | None = field(
-        default=None, metadata=option(given=_listed, encode=_maybe(list), sparse=True)
+        default=None, metadata=option(encode=_maybe(list), sparse=True)
     )
     tool_choice: str | dict[str, Any] | None = field(default=None, metadata=option(sparse=True))
     parallel_tool_calls: bool = field(default=True, metadata=option(sparse=True))
@@ -259,20 +254,8 @@ class GenerationRequest:
             object.__setattr__(self, "tool_choice", choice)
         if not isinstance(self.parallel_tool_calls, bool):
             raise bad("parallel_tool_calls", self.parallel_tool_calls, "must be true or false")
-        grammar = call_grammar(self.tools or (), self.tool_choice, self.parallel_tool_calls)
-        if grammar is None:
-            return
-        # A forced call is an answer held to the call's JSON: the constraint says so (a
-        # payload read back carries that same one).
-        forced = Constraint.of_grammar(grammar, "tools")
-        if self.constraint is None:
-            object.__setattr__(self, "constraint", forced)
-        elif self.constraint != forced:
-            raise bad(
-                "tool_choice",
-                self.tool_choice,
-                "holds the answer to its call: give no other constraint",
-            )
+        held = constrained(self.tools, self.tool_choice, self.parallel_tool_calls, self.constraint)
+        object.__setattr__(self, "constraint", held)
 
     def _check_samples(self) -> None:
         if not 1 <= integer("n", self.n) <= MAX_N:

@@ -29,6 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mlxq.producer.constraints import Constraint
+from mlxq.producer.validate import bad
+
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
 #: The formats ``tool_choice="auto"`` can read calls in.
@@ -133,3 +136,26 @@ def call_grammar(
     many = tool_choice == "required" and parallel
     start = f'"[" ({call}) ("," ({call}))* "]"' if many else call
     return "\n".join([f"start: {start}", *rules])
+
+
+def constrained(
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any,
+    parallel: bool,
+    constraint: Constraint | None,
+) -> Constraint | None:
+    """A request's constraint, its tool choice counted: a forced call's answer is held to
+    the call (:func:`call_grammar`); a payload read back carries that same constraint.
+
+    Raises:
+        PayloadError: a forced call with another constraint, naming ``tool_choice``.
+    """
+    grammar = call_grammar(tools or (), tool_choice, parallel)
+    if grammar is None:
+        return constraint
+    forced = Constraint.of_grammar(grammar, "tools")
+    if constraint is not None and constraint != forced:
+        raise bad(
+            "tool_choice", tool_choice, "holds the answer to its call: give no other constraint"
+        )
+    return forced
