@@ -149,16 +149,17 @@ def test_auto_renders_the_tools_and_reads_the_answer(qwen_served, qwen_model, qu
     from mlxq.producer.params import GenerationRequest
     from mlxq.worker.chat import render
 
-    res = qwen_served.chat.completions.create(
-        model=queue_name, messages=TOOL_TURNS, tools=TOOLS, max_tokens=8, temperature=0
-    )
+    kw: dict[str, Any] = dict(model=queue_name, messages=TOOL_TURNS, tools=TOOLS)
+    kw.update(max_tokens=24, temperature=0)
+    res = qwen_served.chat.completions.create(**kw)
     tokenizer = load(qwen_model)
     req = GenerationRequest.from_arguments({"messages": TOOL_TURNS, "tools": TOOLS})
     expected = len(tokenizer.encode(render(tokenizer, req), add_special_tokens=False))
     assert res.usage is not None and res.usage.prompt_tokens == expected
-    # The random model writes no call: its text is the content.
-    assert res.choices[0].message.tool_calls is None
-    assert res.choices[0].finish_reason in ("stop", "length")
+    # The random model writes no call: its text is the content, streamed or not.
+    choice = res.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert _streamed(qwen_served, **kw) == (choice.message.content, [], choice.finish_reason)
 
 
 # -- run-batch: the same mapping ---------------------------------------------------------
