@@ -15,6 +15,8 @@ tokens per second; 1.0 means the constraint costs nothing):
   schema-25%   a quarter of the rows under it vs none
   choice sweep ``--sweep`` questions answered from four letters (jobs per second) vs the
                same questions unconstrained, capped at the same two tokens
+  fill         the mask stage alone, no forward pass beside it: ``--batch`` rows of the
+               long schema advanced one token and their masks filled (ms a step)
 
 Usage:
     python ops/bench_structured.py                  # tiny model, batch 64, 64 tokens
@@ -32,8 +34,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import jsonschema
+import mlx.core as mx
 import mlx_lm
 
+from mlxq.batching.grammar import GrammarRows
 from mlxq.producer.client import build_request
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.engine import Engine
@@ -152,6 +156,27 @@ def cost(engine: Engine, batch: int, tokens: int, sweep: int, rounds: int) -> No
     )
 
 
+def fill(engine: Engine, batch: int, steps: int = 200) -> None:
+    """The mask stage alone: every row inside the long schema's string, one token a step."""
+    constraint = build_request("x", json_schema=LONG_SCHEMA).constraint
+    assert constraint is not None
+    rows = [engine.grammars.row(constraint) for _ in range(batch)]
+    start = engine.tokenizer.encode('{"notes":"', add_special_tokens=False)
+    for r in rows:
+        r.fresh = False
+        for t in start:
+            r.feed(t)
+    letter = engine.tokenizer.encode("a", add_special_tokens=False)[-1]
+    grammar = GrammarRows.bind(rows, engine.vocab_size)
+    assert grammar is not None
+    grammar.masks([letter] * batch)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(grammar.masks([letter] * batch))
+    ms = (time.perf_counter() - t0) * 1000 / steps
+    print(f"  fill alone, {batch} rows mid-string: {ms:.3f} ms a step (advance + fill + copy)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="an mlx-lm model path (default: the tiny random model)")
@@ -170,6 +195,7 @@ def main() -> None:
     engine = Engine(model, tok, max_batch=args.batch)
     validity(engine, args.answers)
     cost(engine, args.batch, args.tokens, args.sweep, args.rounds)
+    fill(engine, args.batch)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Imports neither MLX nor mlx-lm: it runs in any web backend.
 from mlxq.producer.aio import AsyncClient, AsyncJob
 from mlxq.producer.client import Client, Job, QueueFull, Result
 from mlxq.producer.codec import Chunk
+from mlxq.producer.constraints import Constraint
 from mlxq.producer.errors import (
     JobFailed,
     JobIdInUse,
@@ -22,6 +23,7 @@ __all__ = [
     "AsyncJob",
     "Chunk",
     "Client",
+    "Constraint",
     "GenerationRequest",
     "Job",
     "JobFailed",

@@ -4,6 +4,7 @@ model (whose free text is noise: each answer holds its shape only by its constra
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -16,7 +17,7 @@ import openai
 import pytest
 from rq import Queue
 
-from mlxq.producer import Client
+from mlxq.producer import AsyncClient, Client
 from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.errors import JobFailed
 from mlxq.producer.info import collect
@@ -85,6 +86,13 @@ def test_the_producer_api_and_the_cli(redis_server, queue_name, start_worker, tm
     assert re.fullmatch(REGEX, streamed) and streamed == regex.result(timeout=60).text
     assert free.result(timeout=60).finish_reason == "length"
 
+    async def via_async() -> str:
+        async with AsyncClient(redis_server.url, queue=queue_name) as ac:
+            job = await ac.submit("Async:", grammar='start: "x" ("y" | "z")+', max_tokens=6)
+            return (await job.result(timeout=60)).text
+
+    assert re.fullmatch("x[yz]+", asyncio.run(via_async()))
+
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
     for flags, check in (
@@ -118,8 +126,8 @@ def test_the_producer_api_and_the_cli(redis_server, queue_name, start_worker, tm
     assert refused.returncode != 0 and "regex=" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    w = _worker_stats(client, "constrained_rows", 10 + 4 + 1 + 4)
-    assert w["constraint_compiles"] == 4  # SCHEMA, CHOICES, REGEX and yes/no: each once
+    w = _worker_stats(client, "constrained_rows", 10 + 4 + 1 + 1 + 4)
+    assert w["constraint_compiles"] == 5  # SCHEMA, CHOICES, REGEX, the grammar, yes/no: once
     assert w["vectorized_steps"] == w["decode_steps"] > 0
     assert w["mask_ms"] > 0
     info = json.loads(_mlxq("info", "--json", "--redis-url", redis_server.url).stdout)
