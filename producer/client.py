@@ -205,6 +205,17 @@ class Client:
             constraint: A :class:`~mlxq.producer.constraints.Constraint` made already.
                 At most one of these six; the answer ends (``finish_reason`` "stop")
                 once the constraint allows nothing but its end.
+            tools: Functions the model may call, OpenAI's ``[{"type": "function",
+                "function": {"name", "description", "parameters"}}]``, rendered through
+                the model's chat template (``messages`` only). A chat may then carry an
+                assistant turn's ``tool_calls`` (its content None) and ``tool`` turns
+                with a ``tool_call_id``.
+            tool_choice: ``"auto"`` (with tools, the default: the model may call them,
+                in its own format), ``"none"``, ``"required"`` or ``{"type":
+                "function", "function": {"name": ...}}``; the last two constrain the
+                answer to the JSON of the call(s) (see :mod:`mlxq.producer.tools`).
+            parallel_tool_calls: With ``tool_choice="required"``: a list of one or more
+                calls (True, the default) or exactly one call.
 
         Returns:
             The job's handle.

@@ -24,6 +24,7 @@ from mlxq.producer.constraints import Constraint, from_options
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.fields import assemble, decoded, encode, flag, given, group, option, specs
 from mlxq.producer.logits_params import LogitsParams
+from mlxq.producer.tools import constrained
 from mlxq.producer.validate import bad, integer, number, text
 
 PAYLOAD_VERSION = 1
@@ -154,7 +155,7 @@ class GenerationRequest:
     """
 
     prompt: str | None = field(default=None, metadata=option())
-    messages: tuple[dict[str, str], ...] | None = field(
+    messages: tuple[dict[str, Any], ...] | None = field(
         default=None, metadata=option(given=_maybe(tuple), encode=_maybe(list))
     )
     max_tokens: int = field(
@@ -207,6 +208,11 @@ class GenerationRequest:
             **option(sparse=True, encode=_maybe(Constraint.to_payload)),
         },
     )
+    tools: tuple[dict[str, Any], ...] | None = field(
+        default=None, metadata=option(encode=_maybe(list), sparse=True)
+    )
+    tool_choice: str | dict[str, Any] | None = field(default=None, metadata=option(sparse=True))
+    parallel_tool_calls: bool = field(default=True, metadata=option(sparse=True))
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -217,7 +223,7 @@ class GenerationRequest:
             chars = len(self.prompt)
         else:
             object.__setattr__(self, "messages", validate.messages(self.messages))
-            chars = sum(len(m["content"]) for m in self.messages or ())
+            chars = validate.message_chars(self.messages or ())
         if chars > MAX_PROMPT_CHARS:
             raise bad("prompt", f"<{chars} characters>", f"at most {MAX_PROMPT_CHARS}")
         cap = integer("max_tokens_cap", self.max_tokens_cap)
@@ -236,6 +242,20 @@ class GenerationRequest:
         if self.metadata is not None:
             object.__setattr__(self, "metadata", validate.metadata(self.metadata))
         self._check_samples()
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        if self.tools is not None:
+            if self.messages is None:
+                raise bad("tools", "<tools>", "need messages (a chat), not a prompt")
+            object.__setattr__(self, "tools", validate.tools(self.tools))
+        if self.tool_choice is not None:
+            choice = validate.tool_choice(self.tool_choice, self.tools)
+            object.__setattr__(self, "tool_choice", choice)
+        if not isinstance(self.parallel_tool_calls, bool):
+            raise bad("parallel_tool_calls", self.parallel_tool_calls, "must be true or false")
+        held = constrained(self.tools, self.tool_choice, self.parallel_tool_calls, self.constraint)
+        object.__setattr__(self, "constraint", held)
 
     def _check_samples(self) -> None:
         if not 1 <= integer("n", self.n) <= MAX_N:
@@ -353,6 +373,9 @@ class SubmitOptions(TypedDict, total=False):
     choice: Sequence[str] | None
     grammar: str | None
     constraint: Constraint | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool
 
 
 class JobOptions(SubmitOptions, total=False):

@@ -12,6 +12,7 @@ three as ``error``.
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -126,10 +127,19 @@ MAX_MESSAGES = 1_024
 #: Largest metadata map, msgpack-encoded.
 MAX_METADATA_BYTES = 64 * 1024
 ROLES = ("system", "user", "assistant", "tool", "developer")
-#: The keys a chat message may carry: OpenAI's, less those needing tools or images.
-MESSAGE_KEYS = frozenset({"role", "content", "name"})
+#: The keys a chat message may carry: OpenAI's, less those needing images.
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 #: Longest ``name`` of a chat message (OpenAI's limit).
 MAX_NAME_CHARS = 64
+#: Most tools a request may offer (OpenAI's limit), and their definitions' size, packed.
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 256 * 1024
+#: Most calls one assistant message may carry, and the longest id of one.
+MAX_TOOL_CALLS = 64
+MAX_TOOL_ID_CHARS = 256
+#: What OpenAI allows in a function's name.
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 def metadata(value: Any) -> dict[str, Any]:
@@ -167,27 +177,173 @@ def _content(name: str, value: Any) -> str:
     return "".join(texts)
 
 
-def messages(value: Any) -> tuple[dict[str, str], ...]:
-    """A chat: a non-empty list of ``{role, content[, name]}`` maps, each checked."""
+def _packed_size(name: str, value: Any) -> int:
+    """Bytes ``value`` takes msgpack-encoded (what the worker reads back is the same)."""
+    try:
+        return len(msgpack.packb(value, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise bad(name, value, f"must be JSON-like data ({e})") from None
+
+
+def function_name(name: str, value: Any) -> str:
+    """A function's name as OpenAI allows it: 1 to 64 of ``A-Z a-z 0-9 _ -``."""
+    if not isinstance(value, str) or not _FUNCTION_NAME.match(value):
+        raise bad(name, value, "must be 1 to 64 letters, digits, '_' or '-'")
+    return value
+
+
+def _tool_call(name: str, value: Any) -> dict[str, Any]:
+    """An assistant message's call: ``{id, type: "function", function: {name, arguments}}``
+    (``arguments`` the JSON text of an object, as OpenAI sends it back)."""
+    if not isinstance(value, Mapping) or set(value) != {"id", "type", "function"}:
+        raise bad(name, value, "must be a map with exactly 'id', 'type' and 'function'")
+    if not isinstance(value["id"], str) or not 0 < len(value["id"]) <= MAX_TOOL_ID_CHARS:
+        raise bad(f"{name}.id", value["id"], f"must be 1 to {MAX_TOOL_ID_CHARS} chars")
+    if value["type"] != "function":
+        raise bad(f"{name}.type", value["type"], "must be 'function'")
+    fn = value["function"]
+    if not isinstance(fn, Mapping) or set(fn) != {"name", "arguments"}:
+        raise bad(f"{name}.function", fn, "must be a map with exactly 'name' and 'arguments'")
+    arguments = text(f"{name}.function.arguments", fn["arguments"])
+    function = {"name": function_name(f"{name}.function.name", fn["name"]), "arguments": arguments}
+    return {"id": text(f"{name}.id", value["id"]), "type": "function", "function": function}
+
+
+def _tool_parts(where: str, m: Mapping[str, Any], msg: dict[str, Any]) -> None:
+    """A message's ``tool_calls`` (an assistant's) and ``tool_call_id`` (a tool's), into
+    ``msg``."""
+    if "tool_calls" in m:
+        calls = m["tool_calls"]
+        if m["role"] != "assistant":
+            raise bad(f"{where}.tool_calls", calls, "only an assistant message makes calls")
+        if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+            raise bad(f"{where}.tool_calls", calls, "must be a list of calls")
+        if not 0 < len(calls) <= MAX_TOOL_CALLS:
+            raise bad(f"{where}.tool_calls", f"<{len(calls)} calls>", f"1 to {MAX_TOOL_CALLS}")
+        msg["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+    if "tool_call_id" in m:
+        tid = m["tool_call_id"]
+        if m["role"] != "tool":
+            raise bad(f"{where}.tool_call_id", tid, "only a tool message answers a call")
+        if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TOOL_ID_CHARS:
+            raise bad(f"{where}.tool_call_id", tid, f"must be 1 to {MAX_TOOL_ID_CHARS} chars")
+        msg["tool_call_id"] = text(f"{where}.tool_call_id", tid)
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping) or not {"role", "content"} <= set(m) <= MESSAGE_KEYS:
+        raise bad(
+            where,
+            m,
+            "must be a map with 'role' and 'content' (and optional 'name', "
+            "'tool_calls' for an assistant, 'tool_call_id' for a tool)",
+        )
+    if not isinstance(m["role"], str) or m["role"] not in ROLES:
+        raise bad(f"{where}.role", m["role"], f"must be one of {', '.join(ROLES)}")
+    content = m["content"]
+    if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+        content = ""  # OpenAI's null content of a message that only calls tools
+    msg: dict[str, Any] = {"role": m["role"], "content": _content(f"{where}.content", content)}
+    if "name" in m:
+        if not isinstance(m["name"], str) or not 0 < len(m["name"]) <= MAX_NAME_CHARS:
+            raise bad(f"{where}.name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
+        msg["name"] = text(f"{where}.name", m["name"])
+    _tool_parts(where, m, msg)
+    return msg
+
+
+def messages(value: Any) -> tuple[dict[str, Any], ...]:
+    """A chat: a non-empty list of ``{role, content[, name][, tool_calls][, tool_call_id]}``
+    maps, each checked (an assistant's ``content`` may be None when it makes calls, and
+    reads as "")."""
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
         raise bad("messages", value, "must be a non-empty list of {role, content} maps")
     if len(value) > MAX_MESSAGES:
         raise bad("messages", f"<{len(value)} messages>", f"at most {MAX_MESSAGES}")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m) <= MESSAGE_KEYS:
-            raise bad(
-                f"messages[{i}]", m, "must be a map with 'role' and 'content' (and optional 'name')"
-            )
-        if not isinstance(m["role"], str) or m["role"] not in ROLES:
-            raise bad(f"messages[{i}].role", m["role"], f"must be one of {', '.join(ROLES)}")
-        msg = {"role": m["role"], "content": _content(f"messages[{i}].content", m["content"])}
-        if "name" in m:
-            if not isinstance(m["name"], str) or not 0 < len(m["name"]) <= MAX_NAME_CHARS:
-                raise bad(f"messages[{i}].name", m["name"], f"must be 1 to {MAX_NAME_CHARS} chars")
-            msg["name"] = text(f"messages[{i}].name", m["name"])
-        out.append(msg)
+    return tuple(_message(i, m) for i, m in enumerate(value))
+
+
+def message_chars(value: Sequence[Mapping[str, Any]]) -> int:
+    """Characters a chat carries: its contents and its calls' arguments."""
+    return sum(
+        len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
+        for m in value
+    )
+
+
+def _function(name: str, value: Any) -> dict[str, Any]:
+    """A tool's ``function``: ``{name[, description][, parameters][, strict]}``."""
+    keys = {"name", "description", "parameters", "strict"}
+    if not isinstance(value, Mapping) or "name" not in value or not set(value) <= keys:
+        raise bad(
+            name,
+            value,
+            "must be a map with 'name' (and optional 'description', 'parameters', 'strict')",
+        )
+    out: dict[str, Any] = {"name": function_name(f"{name}.name", value["name"])}
+    if value.get("description") is not None:
+        out["description"] = text(f"{name}.description", value["description"])
+    if value.get("parameters") is not None:
+        params = value["parameters"]
+        if not isinstance(params, Mapping) or params.get("type", "object") != "object":
+            raise bad(f"{name}.parameters", params, "must be a JSON schema of an object")
+        out["parameters"] = dict(params)
+    if value.get("strict") is not None:
+        if not isinstance(value["strict"], bool):
+            raise bad(f"{name}.strict", value["strict"], "must be true or false")
+        out["strict"] = value["strict"]
+    return out
+
+
+def tools(value: Any) -> tuple[dict[str, Any], ...]:
+    """``tools``: 1 to :data:`MAX_TOOLS` ``{"type": "function", "function": {...}}`` maps,
+    their names distinct, at most :data:`MAX_TOOLS_BYTES` packed."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
+        raise bad("tools", value, "must be a non-empty list of {type, function} maps")
+    if len(value) > MAX_TOOLS:
+        raise bad("tools", f"<{len(value)} tools>", f"at most {MAX_TOOLS}")
+    out, seen = [], set()
+    for i, t in enumerate(value):
+        if not isinstance(t, Mapping) or set(t) != {"type", "function"}:
+            raise bad(f"tools[{i}]", t, "must be a map with exactly 'type' and 'function'")
+        if t["type"] != "function":
+            raise bad(f"tools[{i}].type", t["type"], "must be 'function'")
+        fn = _function(f"tools[{i}].function", t["function"])
+        if fn["name"] in seen:
+            raise bad(f"tools[{i}].function.name", fn["name"], "names a function twice")
+        seen.add(fn["name"])
+        out.append({"type": "function", "function": fn})
+    if (size := _packed_size("tools", out)) > MAX_TOOLS_BYTES:
+        raise bad("tools", f"<{size} bytes>", f"at most {MAX_TOOLS_BYTES} bytes")
     return tuple(out)
+
+
+def tool_choice(value: Any, offered: Sequence[Mapping[str, Any]] | None) -> str | dict[str, Any]:
+    """``tool_choice``: ``none``, ``auto``, ``required`` or ``{"type": "function",
+    "function": {"name"}}`` naming one of the ``offered`` tools (which it needs)."""
+    if not offered:
+        raise bad("tool_choice", value, "needs tools")
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise bad(
+                "tool_choice",
+                value,
+                f"must be one of {', '.join(TOOL_CHOICES)} "
+                "or {'type': 'function', 'function': {'name': ...}}",
+            )
+        return value
+    if not isinstance(value, Mapping) or set(value) != {"type", "function"}:
+        raise bad("tool_choice", value, "must be a string or a map with 'type' and 'function'")
+    if value["type"] != "function":
+        raise bad("tool_choice.type", value["type"], "must be 'function'")
+    fn = value["function"]
+    if not isinstance(fn, Mapping) or set(fn) != {"name"}:
+        raise bad("tool_choice.function", fn, "must be a map with exactly 'name'")
+    name = function_name("tool_choice.function.name", fn["name"])
+    if name not in {t["function"]["name"] for t in offered}:
+        raise bad("tool_choice.function.name", name, "names no function of tools")
+    return {"type": "function", "function": {"name": name}}
 
 
 def stop_strings(value: Any) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from mlxq.batching.rows import RowSampler
 from mlxq.batching.stops import StopMatcher
 from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
+from mlxq.worker.chat import render, tool_format
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.detok import Detokenizer, special_ids
 from mlxq.worker.generator import Generator, StepCounters
@@ -99,6 +100,7 @@ class Engine:
         self.prefill_buckets = prefill_buckets
         self.max_context = _context_length(model)
         self.vocab_size = _vocab_size(model, tokenizer)
+        self.tool_format = tool_format(tokenizer)
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._special = special_ids(tokenizer)
         self.grammars = Grammars(tokenizer, self.vocab_size, self._eos, self.counters)
@@ -187,9 +189,7 @@ class Engine:
         """
         tok = self.tokenizer
         if req.messages is not None:
-            text = tok.apply_chat_template(
-                list(req.messages), add_generation_prompt=True, tokenize=False
-            )
+            text = render(tok, req)
             ids = tok.encode(text, add_special_tokens=False)
         else:
             # A prompt that already starts with the BOS text gets no second BOS, as

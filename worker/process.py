@@ -219,6 +219,7 @@ class Worker:
             prefill_buckets=self.engine.prefill_buckets,
             max_context=self.engine.max_context or 0,
             vocab_size=self.engine.vocab_size,
+            tool_format=self.engine.tool_format,
             model_digest=self.model_digest,
             constrained_rows=c.constrained_rows,
             constraint_compiles=c.constraint_compiles,

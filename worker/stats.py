@@ -100,6 +100,9 @@ class WorkerStats:
     constrained_rows: int = 0
     constraint_compiles: int = 0
     mask_ms: float = 0.0
+    #: The tool-call format the model's answers use (``mlxq.producer.tools.FORMATS``),
+    #: which a gateway reads ``tool_choice="auto"`` answers in; "": none mlxq reads.
+    tool_format: str = ""
 
     @property
     def state(self) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,10 +13,12 @@ import redis
 from mlxq.producer import keys
 from mlxq.producer.batch.lines import Request
 from mlxq.producer.listing import served as served  # the check `mlxq submit` makes too
+from mlxq.producer.openai_api.tool_calls import AUTO, auto_needs_format
 from mlxq.producer.outcome import TERMINAL, job_status
 from mlxq.producer.result import latest_fields
 
 LIVE = "live"
+log = logging.getLogger("mlxq.batch")
 
 
 @dataclass(slots=True)
@@ -74,3 +77,33 @@ def results(connection: redis.Redis, ids: Sequence[str]) -> list[dict[bytes, byt
         replies = _replies(p)
     # A results key of another type reads as no result (the line is answered as failed).
     return [None if isinstance(e, Exception) else latest_fields(e) for e in replies]
+
+
+class ToolFormats:
+    """The tool-call format of each queue's model (what ``tool_choice="auto"`` answers
+    are read in), read from its live workers' stats once per run, when first needed."""
+
+    def __init__(self, connection: redis.Redis) -> None:
+        self.redis = connection
+        self._known: dict[str, str] = {}
+
+    def of(self, queue: str) -> str:
+        """The format every live worker of ``queue`` published; "" when they name none
+        or differ."""
+        if queue not in self._known:
+            from mlxq.producer.info import collect  # as `mlxq info` and the gateway read
+
+            formats = {
+                str(w.get("tool_format") or "")
+                for w in collect(self.redis, log.warning)["workers"]
+                if w.get("alive", True) and queue in str(w.get("queue", "")).split(",")
+            }
+            self._known[queue] = formats.pop() if len(formats) == 1 else ""
+        return self._known[queue]
+
+    def unread(self, request: Request) -> str | None:
+        """Why the calls of ``request``'s answer cannot be read (``auto`` on a model of
+        no format mlxq reads), or None."""
+        if request.req.tool_calls != AUTO:
+            return None
+        return auto_needs_format(self.of(request.queue))

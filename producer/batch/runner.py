@@ -96,6 +96,7 @@ class Sweep:
         self.short: str | None = None
         self.flights: dict[str, Flight] = {}
         self.clients: dict[str, Client] = {}
+        self.tools = jobs.ToolFormats(connection)
         self.outage = Outage(log, "sweep")
         self.poll_s = MAX_POLL_S
         self._rate = 0.0  # jobs ended per second, smoothed
@@ -350,9 +351,12 @@ class Sweep:
         if state == "finished":
             value = value_of(fields)
             if value is not None:
+                if why := self._retry(lambda: self.tools.unread(f.request)):
+                    return self._failed(cid, job_id, f"invalid job: {why}")
                 try:
                     result = Result.from_value(value)
-                    body = completion_body(f.request.req, job_id, result, now)
+                    fmt = self.tools.of(f.request.queue)
+                    body = completion_body(f.request.req, job_id, result, now, tool_format=fmt)
                 except (MlxqError, KeyError, TypeError, ValueError) as e:
                     return self._failed(cid, job_id, f"unreadable result ({e})")
                 self.tally.prompt_tokens += int(result.usage.get("prompt_tokens", 0))

@@ -43,6 +43,7 @@ from mlxq.producer.openai_api import (
     parse_request,
     sse,
 )
+from mlxq.producer.openai_api.tool_calls import AUTO, auto_needs_format
 from mlxq.producer.outcome import Failure
 
 #: Largest request body read; mlxq's own prompt cap is a million characters.
@@ -142,12 +143,20 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-async def _submit(gw: Gateway, req: OpenAIRequest) -> tuple[AsyncJob, str]:
-    """The request's job, on the queue its model or service tier picks, and that tier."""
+async def _submit(gw: Gateway, req: OpenAIRequest) -> tuple[AsyncJob, str, str]:
+    """The request's job, on the queue its model or service tier picks, that tier, and
+    the tool-call format of the queue's model.
+
+    Raises:
+        APIError: 400 for ``tool_choice="auto"`` on a model of no format mlxq reads.
+    """
     client, tier = await gw.route(req.model, req.service_tier)
     _within_limits(req.submit, *await gw.limits(client.queue_name))
+    tool_format = await gw.tool_format(client.queue_name)
+    if req.tool_calls == AUTO and (why := auto_needs_format(tool_format)):
+        raise APIError(400, why, param="tool_choice")
     try:
-        return await client.submit(**req.submit), tier
+        return await client.submit(**req.submit), tier, tool_format
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
     except InvalidRequest as e:
@@ -201,11 +210,12 @@ async def _complete(request: Request, endpoint: str) -> Response:
         req = parse_request(await _json_body(request), endpoint)
     except InvalidRequest as e:
         raise APIError(400, str(e), param=e.param) from None
-    job, tier = await _submit(gw, req)
+    job, tier, tools = await _submit(gw, req)
     submitted, created = time.perf_counter(), int(time.time())
     if req.stream:
+        fmt = ChunkFormatter(req, job.id, created, tier, tool_format=tools)
         return StreamingResponse(
-            _events(gw, req, job, ChunkFormatter(req, job.id, created, tier), submitted),
+            _events(gw, req, job, fmt, submitted),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -214,7 +224,7 @@ async def _complete(request: Request, endpoint: str) -> Response:
         return Response(status_code=CLIENT_GONE)
     gw.metrics.e2e.labels(endpoint).observe(time.perf_counter() - submitted)
     gw.metrics.completed(req.model, result.finish_reason, result.usage)
-    return JSONResponse(completion_body(req, job.id, result, created, tier))
+    return JSONResponse(completion_body(req, job.id, result, created, tier, tool_format=tools))
 
 
 async def _until_disconnect(request: Request) -> None:

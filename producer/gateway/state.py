@@ -216,6 +216,14 @@ class Gateway:
 
         return least("max_context"), least("vocab_size")
 
+    async def tool_format(self, queue: str) -> str:
+        """The tool-call format the live workers of ``queue`` all published; "" when
+        they name none or differ."""
+        snap = await self.snapshot(max_age=self.config.sample_s)
+        formats = {w.get("tool_format") or "" for w in snap.serving(queue)}
+        only = formats.pop() if len(formats) == 1 else ""
+        return only if isinstance(only, str) else ""
+
     async def _served(self, queue: str) -> bool:
         snap = await self.snapshot(max_age=self.config.sample_s)
         if not snap.serving(queue):

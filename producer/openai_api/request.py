@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from mlxq.producer.client import build_request
 from mlxq.producer.constraints import GUIDED, Constraint, from_body
 from mlxq.producer.errors import InvalidRequest, PayloadError
+from mlxq.producer.openai_api.tool_calls import TOOL_FIELDS, mode, tool_fields
 from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
 from mlxq.producer.validate import integer_in, invalid, number_in
 
@@ -63,7 +64,10 @@ _FORMATS = frozenset(("response_format", "structured_outputs", *GUIDED))
 _COMMON = _FORMATS | frozenset(
     (*_SAMPLING, *_PENALTIES, *_OTHER, *_VLLM, *_ROUTING, "stream", "stream_options")
 )
-_KNOWN = {CHAT: _COMMON | {"messages", "top_logprobs"}, COMPLETIONS: _COMMON | {"prompt"}}
+_KNOWN = {
+    CHAT: _COMMON | {"messages", "top_logprobs", *TOOL_FIELDS},
+    COMPLETIONS: _COMMON | {"prompt"},
+}
 #: Field names remembered as warned about; past this many, new ones are not told by name.
 MAX_WARNED_NAMES = 256
 #: Most fields mlxq does not know that one object of a body may carry, and the longest
@@ -75,7 +79,7 @@ MAX_FIELD_NAME_CHARS = 256
 MAX_DEPTH = 32
 _warned: set[str] = set()
 # "name=value: why", as mlxq's payload checks word their errors.
-_PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.\w+)*)=")
+_PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\]|\.\w+)*)=")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -173,6 +177,9 @@ class OpenAIRequest:
         top_logprobs: And this many alternatives per token.
         service_tier: The tier asked for (one of :data:`SERVICE_TIERS`, ``fast`` read as
             ``priority``); None when not given.
+        tool_calls: How the answer holds tool calls
+            (:func:`~mlxq.producer.openai_api.tool_calls.mode`): ``forced``, ``auto``
+            (in the model's own format), or None.
     """
 
     endpoint: str
@@ -184,6 +191,7 @@ class OpenAIRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     service_tier: str | None = None
+    tool_calls: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -224,6 +232,10 @@ def _content(i: int, value: Any) -> Any:
     return "\n".join(texts)
 
 
+#: A chat message's fields mlxq reads: its turn, and the calls it makes or answers.
+_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")
+
+
 def _messages(value: Any) -> Any:
     if not isinstance(value, list) or not value:
         raise invalid("messages", value, "must be a non-empty list of {role, content} objects")
@@ -231,8 +243,10 @@ def _messages(value: Any) -> Any:
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or "role" not in m:
             raise invalid(f"messages[{i}]", m, "must be an object with 'role' and 'content'")
-        _unknown(m, ("role", "content"), "messages[].")
-        out.append({"role": m["role"], "content": _content(i, m.get("content"))})
+        _unknown(m, _MESSAGE_FIELDS, "messages[].")
+        msg = {"role": m["role"], "content": _content(i, m.get("content"))}
+        msg.update((k, m[k]) for k in _MESSAGE_FIELDS[2:] if m.get(k) is not None)
+        out.append(msg)
     return out
 
 
@@ -433,6 +447,8 @@ def _submit(body: Mapping[str, Any], chat: bool) -> tuple[str, dict[str, Any]]:
         "seed": body.get("seed"),
         "metadata": _metadata(body),
     }
+    if chat:
+        submit.update(tool_fields(body))
     return tokens_name, submit
 
 
@@ -485,4 +501,5 @@ def parse_request(body: Any, endpoint: str) -> OpenAIRequest:
         logprobs="logprobs" in extra,
         top_logprobs=extra.get("top_logprobs", 0),
         service_tier=_service_tier(body.get("service_tier")),
+        tool_calls=mode(submit),
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 from mlxq.producer.codec import Chunk
 from mlxq.producer.openai_api.request import OpenAIRequest
+from mlxq.producer.openai_api.tool_calls import DeltaReader, finish_reason, message, reader
 from mlxq.producer.result import Result
 
 
@@ -108,23 +109,32 @@ def _choices(result: Result) -> list[Any]:
 
 
 def completion_body(
-    req: OpenAIRequest, job_id: str, result: Result, created: int, service_tier: str | None = None
+    req: OpenAIRequest,
+    job_id: str,
+    result: Result,
+    created: int,
+    service_tier: str | None = None,
+    tool_format: str = "",
 ) -> dict[str, Any]:
     """The ``chat.completion`` or ``text_completion`` object for a finished job.
 
     Args:
         service_tier: The tier the job was served at, echoed as OpenAI does; None: no
             ``service_tier`` field.
+        tool_format: The tool-call format of the model that answered (its worker's
+            published one), for a ``tool_choice="auto"`` answer's calls.
     """
     choices = []
+    fmt = reader(req.tool_calls, tool_format)
     for i, c in enumerate(_choices(result)):
         lp = logprobs_body(req, getattr(c, "logprobs", None))
         entry: dict[str, Any] = {"index": getattr(c, "index", i)}
+        reason = c.finish_reason
         if req.chat:
-            entry["message"] = {"role": "assistant", "content": c.text}
+            entry["message"], reason = message(c.text, reason, fmt)
         else:
             entry["text"] = c.text
-        entry.update(logprobs=lp, finish_reason=c.finish_reason)
+        entry.update(logprobs=lp, finish_reason=reason)
         choices.append(entry)
     body: dict[str, Any] = {
         "id": completion_id(req, job_id),
@@ -148,14 +158,22 @@ class ChunkFormatter:
         created: Unix seconds, the same on every chunk.
         service_tier: The tier the job is served at, on every chunk as OpenAI does; None:
             no ``service_tier`` field.
+        tool_format: As for :func:`completion_body`.
     """
 
     def __init__(
-        self, req: OpenAIRequest, job_id: str, created: int, service_tier: str | None = None
+        self,
+        req: OpenAIRequest,
+        job_id: str,
+        created: int,
+        service_tier: str | None = None,
+        tool_format: str = "",
     ) -> None:
         self.req, self.created, self.service_tier = req, created, service_tier
         self.id = completion_id(req, job_id)
         self._sent: dict[int, int] = {}  # characters sent per choice (text_offset)
+        self._fmt = reader(req.tool_calls, tool_format) if req.chat else None
+        self._readers: dict[int, DeltaReader] = {}  # per choice, when calls are read
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
@@ -196,6 +214,8 @@ class ChunkFormatter:
         if not c.text and c.finish_reason is None and not entries:
             return []
         index = int(getattr(c, "index", 0) or 0)
+        if self._fmt is not None:
+            return self._tool_chunks(c, index, entries, self._fmt)
         offset = self._sent.get(index, 0)
         self._sent[index] = offset + len(c.text)
         choice: dict[str, Any] = {"index": index}
@@ -207,6 +227,25 @@ class ChunkFormatter:
             logprobs=logprobs_body(self.req, entries, offset), finish_reason=c.finish_reason
         )
         return [self._envelope([choice])]
+
+    def _tool_chunks(self, c: Chunk, index: int, entries: Any, fmt: str) -> list[dict[str, Any]]:
+        """A chat chunk's objects when its answer is read for calls (in ``fmt``): its
+        content and calls as they complete, its log-probs as they come, and the finish
+        on a chunk of its own."""
+        r = self._readers.setdefault(index, DeltaReader(fmt))
+        deltas = r.feed(c.text)
+        if c.finish_reason is not None:
+            deltas += [*r.finish(), {}]
+        elif not deltas and entries:
+            deltas = [{}]
+        out = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            reason = finish_reason(c.finish_reason, r.calls) if last and c.finish_reason else None
+            lp = logprobs_body(self.req, entries) if k == 0 else None
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            out.append(self._envelope([choice]))
+        return out
 
     def usage(self, usage: Mapping[str, int] | None) -> list[dict[str, Any]]:
         """The closing usage chunk, when ``stream_options.include_usage`` asked for it."""
