@@ -39,7 +39,8 @@ _ANY_OBJECT = '{"type":"object"}'
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """What a job's answer must match: ``kind`` (one of :data:`KINDS`) and ``value``, its
-    canonical text (a schema as compact JSON with sorted keys, a choice as a JSON list,
+    canonical text (a schema as compact JSON in its own key order, which is the order an
+    answer writes its properties in, as OpenAI's do; a choice as a JSON list,
     a regex or grammar as given, ``""`` for ``json_object``).
 
     Build one with :meth:`of_json_schema`, :meth:`of_regex`, :meth:`of_choice`,
@@ -80,7 +81,9 @@ class Constraint:
         if not isinstance(schema, Mapping):
             raise bad(field, schema, "must be a JSON schema (an object)")
         try:
-            canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            # Not sorted: llguidance writes properties in the schema's order, and an answer
+            # whose keys came alphabetically would write ``arguments`` before ``name``.
+            canonical = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise bad(field, schema, f"must be JSON data ({e})") from None
         except RecursionError:

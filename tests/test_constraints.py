@@ -50,8 +50,8 @@ REGEX = r"[0-9]{3}-[a-z]{2,5}"
 
 
 def test_equal_constraints_compare_and_hash_equal():
-    a = build_request("x", json_schema={"b": 1, "type": "object"}).constraint
-    b = build_request("x", json_schema='{"type": "object", "b": 1}').constraint
+    a = build_request("x", json_schema={"type": "object", "b": 1}).constraint
+    b = build_request("x", json_schema='{"type": "object",  "b": 1}').constraint
     c = build_request(
         "x",
         response_format={
@@ -60,6 +60,8 @@ def test_equal_constraints_compare_and_hash_equal():
         },
     ).constraint
     assert a == b == c and len({a, b, c}) == 1
+    # Key order is kept: it is the order an answer writes the properties in.
+    assert build_request("x", json_schema={"b": 1, "type": "object"}).constraint != a
     assert build_request("x", choice=["a", "b"]).constraint == Constraint.of_choice(["a", "b"])
     assert build_request("x", response_format={"type": "text"}).constraint is None
 
@@ -252,6 +254,18 @@ def test_constrained_answers_hold_their_shape_in_a_mixed_batch(loaded):
     for name in ("free", "free_hot"):
         alone = _run(Engine(*loaded, max_batch=16), {name: _mixed()[name]})
         assert got[name] == alone[name]
+
+
+def test_an_answer_writes_the_properties_in_the_schema_order(loaded):
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    got = _run(Engine(*loaded, max_batch=4), {"s": build_request("Z:", json_schema=schema)})
+    text = got["s"][0][0]
+    assert list(json.loads(text, object_pairs_hook=lambda kv: dict(kv))) == ["zeta", "alpha"]
 
 
 def test_constrained_rows_through_the_prompt_cache_decode_the_same(loaded):
