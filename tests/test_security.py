@@ -42,7 +42,7 @@ from mlxq.producer import Client, JobFailed, MlxqError, PayloadError, QueueFull,
 from mlxq.producer.codec import MsgpackSerializer, decode_chunk
 from mlxq.producer.gateway.config import GatewayConfig
 from mlxq.producer.gateway.metrics import METHODS
-from mlxq.producer.openai_api.request import MAX_UNKNOWN_FIELDS, MAX_WARNED_NAMES
+from mlxq.producer.openai_api.bounds import MAX_UNKNOWN_FIELDS, MAX_WARNED_NAMES
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.prefetch import decode_request
 
@@ -481,7 +481,12 @@ PAYLOAD_CRASHERS: list[tuple[str, Any, str]] = [
     ("prompt too long", {**P, "prompt": "x" * 1_000_001}, "prompt"),
     ("neither prompt nor messages", {"v": 1}, "prompt"),
     ("both prompt and messages", {**P, "messages": [HI]}, "prompt"),
-    ("messages: extra key", {**M, "messages": [{**HI, "tool_calls": "x"}]}, "messages[0]"),
+    ("messages: extra key", {**M, "messages": [{**HI, "name_x": "x"}]}, "messages[0]"),
+    (
+        "messages: calls on a user turn",
+        {**M, "messages": [{**HI, "tool_calls": "x"}]},
+        "messages[0].tool_calls",
+    ),
     (
         "messages: extra key smuggled late",
         {**M, "messages": [HI, {**HI, "tool": 1}]},

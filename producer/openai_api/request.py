@@ -9,24 +9,23 @@ over ``max_tokens``; ``top_k=-1`` means "off", as in vLLM, whose ``stop_token_id
 in the job's metadata. ``service_tier`` is checked and kept on the request for the front end
 to route by (``mlxq serve --service-tier``); every other field maps onto a
 :meth:`Client.submit` argument, and :func:`submit_supports` keeps that true by refusing, by
-name, any field whose argument ``submit`` lacks. Unknown fields are ignored, with one
-warning per field name per process (for the first :data:`MAX_WARNED_NAMES` names); an object
-with more than :data:`MAX_UNKNOWN_FIELDS` of them or one named longer than
-:data:`MAX_FIELD_NAME_CHARS`, nesting deeper than :data:`MAX_DEPTH` and a string UTF-8
-cannot carry (a lone surrogate) are refused, naming where.
+name, any field whose argument ``submit`` lacks. Unknown fields are ignored with a warning,
+and a body past the bounds of :mod:`mlxq.producer.openai_api.bounds` is refused, naming where.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxq.producer.client import build_request
 from mlxq.producer.constraints import GUIDED, Constraint, from_body
 from mlxq.producer.errors import InvalidRequest, PayloadError
+from mlxq.producer.openai_api import inputs
+from mlxq.producer.openai_api.bounds import cut, problem_in, unknown_fields
 from mlxq.producer.openai_api.tool_calls import TOOL_FIELDS, mode, tool_fields
 from mlxq.producer.params import MAX_TOKENS_CAP, SUBMIT_OPTIONS
 from mlxq.producer.validate import integer_in, invalid, number_in
@@ -68,98 +67,13 @@ _KNOWN = {
     CHAT: _COMMON | {"messages", "top_logprobs", *TOOL_FIELDS},
     COMPLETIONS: _COMMON | {"prompt"},
 }
-#: Field names remembered as warned about; past this many, new ones are not told by name.
-MAX_WARNED_NAMES = 256
-#: Most fields mlxq does not know that one object of a body may carry, and the longest
-#: name of one: a body past either is refused (remembering and logging such names would
-#: let one request grow the process and its log without bound).
-MAX_UNKNOWN_FIELDS = 64
-MAX_FIELD_NAME_CHARS = 256
-#: Deepest nesting of objects and arrays a body may have (OpenAI's own shapes use 4).
-MAX_DEPTH = 32
-_warned: set[str] = set()
 # "name=value: why", as mlxq's payload checks word their errors.
 _PARAM_RE = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\]|\.\w+)*)=")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def submit_supports(name: str) -> bool:
     """Whether this version's :meth:`Client.submit` takes keyword ``name``."""
     return name in SUBMIT_OPTIONS
-
-
-def _ignore(name: str) -> None:
-    """Warn of an unknown field once per name, while fewer than :data:`MAX_WARNED_NAMES`
-    names were told (then once, that names are no longer told)."""
-    if name in _warned:
-        return
-    if len(_warned) < MAX_WARNED_NAMES:
-        _warned.add(name)
-        log.warning("ignoring request field %r: mlxq does not support it", name)
-    elif len(_warned) == MAX_WARNED_NAMES:
-        _warned.add("")  # never a field name: marks that this was told
-        log.warning(
-            "ignoring request fields mlxq does not support: %d names told, no more are",
-            MAX_WARNED_NAMES,
-        )
-
-
-def _unknown(obj: Mapping[str, Any], known: Container[str], where: str) -> None:
-    """Warn of the fields of ``obj`` not in ``known`` (each as ``where + name``).
-
-    Raises:
-        InvalidRequest: more than :data:`MAX_UNKNOWN_FIELDS` of them, or one whose name
-            is longer than :data:`MAX_FIELD_NAME_CHARS`.
-    """
-    unknown = [k for k in obj if k not in known]
-    if len(unknown) > MAX_UNKNOWN_FIELDS:
-        raise InvalidRequest(
-            f"{where or 'the body'}: {len(unknown)} fields mlxq does not know "
-            f"(at most {MAX_UNKNOWN_FIELDS}), e.g. {_cut(unknown[0])!r}",
-            where.rstrip(".") or None,
-        )
-    for k in unknown:
-        if len(k) > MAX_FIELD_NAME_CHARS:
-            raise InvalidRequest(
-                f"{where}{_cut(k)!r}...: a field name of {len(k)} characters "
-                f"(at most {MAX_FIELD_NAME_CHARS})",
-                where.rstrip(".") or None,
-            )
-    for k in unknown:
-        _ignore(f"{where}{k}")
-
-
-def _cut(name: str, limit: int = 40) -> str:
-    return name[:limit]
-
-
-def _child(path: str, key: str | int) -> str:
-    """The path of ``key`` (an object's field or an array's index) under ``path``."""
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
-
-
-def _problem_in(value: Any) -> tuple[str, str] | None:
-    """Where ``value`` (a decoded JSON body) nests deeper than :data:`MAX_DEPTH` or holds
-    a string UTF-8 cannot carry (a lone surrogate, from an escape like ``\\ud800``), and
-    what; None if nowhere. Iterative: a deep body cannot exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
-    while stack:
-        v, path, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            return path, f"nested deeper than {MAX_DEPTH} levels"
-        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-        for k, item in items:
-            here = _child(path, k)
-            if isinstance(k, str) and not k.isascii() and _SURROGATE.search(k):
-                return here, "a field name that is not valid Unicode (a lone surrogate)"
-            if isinstance(item, str):
-                if not item.isascii() and _SURROGATE.search(item):
-                    return here, "not valid Unicode text (a lone surrogate)"
-            elif isinstance(item, (dict, list)):
-                stack.append((item, here, depth + 1))
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,50 +128,6 @@ def _ranged(body: Mapping[str, Any], name: str, check: Callable[..., T], lo: T, 
     answering in OpenAI's shape); None when absent."""
     v = body.get(name)
     return None if v is None else check(name, v, lo, hi, error=invalid)
-
-
-def _content(i: int, value: Any) -> Any:
-    if value is None:
-        return ""
-    if not isinstance(value, list):
-        return value  # a string, or something the payload check names
-    texts: list[str] = []
-    for j, part in enumerate(value):
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, Mapping) else part
-            raise invalid(f"messages[{i}].content[{j}].type", kind, "only text parts are supported")
-        if not isinstance(text := part.get("text"), str):
-            raise invalid(f"messages[{i}].content[{j}].text", text, "must be a string")
-        texts.append(text)
-    return "\n".join(texts)
-
-
-#: A chat message's fields mlxq reads: its turn, and the calls it makes or answers.
-_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")
-
-
-def _messages(value: Any) -> Any:
-    if not isinstance(value, list) or not value:
-        raise invalid("messages", value, "must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or "role" not in m:
-            raise invalid(f"messages[{i}]", m, "must be an object with 'role' and 'content'")
-        _unknown(m, _MESSAGE_FIELDS, "messages[].")
-        msg = {"role": m["role"], "content": _content(i, m.get("content"))}
-        msg.update((k, m[k]) for k in _MESSAGE_FIELDS[2:] if m.get(k) is not None)
-        out.append(msg)
-    return out
-
-
-def _prompt(value: Any) -> Any:
-    if isinstance(value, list):
-        if len(value) != 1:
-            raise invalid("prompt", value, "send one prompt per request (a list of one string)")
-        value = value[0]
-    if not isinstance(value, str):
-        raise invalid("prompt", value, "must be a string (token-id prompts are not supported)")
-    return value
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -367,7 +237,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
         raise invalid("stream_options", opts, "only allowed when stream is true")
     if not isinstance(opts, Mapping):
         raise invalid("stream_options", opts, "must be an object")
-    _unknown(opts, ("include_usage",), "stream_options.")
+    unknown_fields(opts, ("include_usage",), "stream_options.")
     return _flag(opts, "include_usage")
 
 
@@ -406,10 +276,10 @@ def _model(body: Any, endpoint: str) -> str:
         raise ValueError(f"endpoint={endpoint!r}: must be one of {ENDPOINTS}")
     if not isinstance(body, Mapping):
         raise InvalidRequest("the request body must be a JSON object")
-    _unknown(body, _KNOWN[endpoint], "")
-    if problem := _problem_in(body):
+    unknown_fields(body, _KNOWN[endpoint], "")
+    if problem := problem_in(body):
         path, why = problem
-        shown = _cut(path.encode("utf-8", "backslashreplace").decode(), 80)
+        shown = cut(path.encode("utf-8", "backslashreplace").decode(), 80)
         raise InvalidRequest(f"{shown}: {why}", shown)
     model = body.get("model")
     if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS:
@@ -424,10 +294,10 @@ def _source(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     if chat:
         if "messages" not in body:
             raise InvalidRequest("messages: required", "messages")
-        return {"messages": _messages(body["messages"])}
+        return {"messages": inputs.messages(body["messages"])}
     if "prompt" not in body:
         raise InvalidRequest("prompt: required", "prompt")
-    return {"prompt": _prompt(body["prompt"])}
+    return {"prompt": inputs.prompt(body["prompt"])}
 
 
 def _submit(body: Mapping[str, Any], chat: bool) -> tuple[str, dict[str, Any]]:
