@@ -369,7 +369,7 @@ def test_canceling_a_constrained_row_leaves_the_others_whole(loaded):
 
 def test_grammar_rows_advance_each_constrained_row_and_leave_the_others_open(loaded):
     from mlxq.batching.grammar import GrammarRows
-    from mlxq.worker.generator import StepCounters
+    from mlxq.worker.decode_batch import StepCounters
     from mlxq.worker.grammars import Grammars
 
     tok = loaded[1]

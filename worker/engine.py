@@ -24,8 +24,9 @@ from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.chat import render, tool_format
 from mlxq.worker.config import WorkerConfig
+from mlxq.worker.decode_batch import StepCounters
 from mlxq.worker.detok import Detokenizer, special_ids
-from mlxq.worker.generator import Generator, StepCounters
+from mlxq.worker.generator import Generator
 from mlxq.worker.grammars import Grammars
 from mlxq.worker.jobs import Job
 from mlxq.worker.logprob_entries import LogprobEntries

@@ -1,0 +1,212 @@
+"""One decode step of the whole batch, sampled in one call: mlx-lm's ``GenerationBatch``
+bound to mlxq's :class:`~mlxq.batching.rows.RowSampler` (see :mod:`mlxq.worker.generator`).
+
+Each step runs the forward pass, then on the logits of every row at once: logits
+processors (penalties, logit_bias, min_tokens), constraints' token masks (filled on the host
+while the pass runs), log-probs, and the one sampling call. :class:`StepCounters` counts
+what the steps and prefills did.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+
+from mlxq.batching.grammar import apply_bitmask
+from mlxq.batching.history import TokenHistory
+from mlxq.batching.logits import apply
+from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
+from mlxq.batching.rows import RowSampler
+from mlxq.worker.kv_pack import row_cache
+from mlxq.worker.prompt_cache import MIN_REUSE
+
+
+@dataclass
+class StepCounters:
+    decode_steps: int = 0
+    vectorized_steps: int = 0
+    sampler_calls: int = 0
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    #: Prompt cache: rows looked up, rows that found a prefix, the tokens those held,
+    #: and prompt tokens run through the model (rows' rests and shared prefixes).
+    prompt_cache_queries: int = 0
+    prompt_cache_hits: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_prefilled: int = 0
+    #: Rows taken out of the batch with their KV for a while, rows put back, and the
+    #: tokens prefilled again for rows put back without their KV.
+    preemptions: int = 0
+    resumes: int = 0
+    resume_tokens_recomputed: int = 0
+    #: Rows that decoded under a constraint, constraints compiled for this model (each
+    #: once, then cached), and milliseconds the decode thread spent filling their masks.
+    constrained_rows: int = 0
+    constraint_compiles: int = 0
+    mask_ms: float = 0.0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    #: Prefill forward passes by rows (how many passes prefilled that many prompts at
+    #: once), and the distinct (rows, padded length) shapes among them: each new shape
+    #: may cost a GPU backend a kernel build or an attention plan.
+    prefill_batch_sizes: dict[int, int] = field(default_factory=dict)
+    prefill_shapes: set[tuple[int, int]] = field(default_factory=set)
+
+    def count_prefill(self, rows: int, length: int) -> None:
+        """One prefill pass over ``rows`` prompts, right-padded to ``length`` tokens."""
+        self.prefill_batch_sizes[rows] = self.prefill_batch_sizes.get(rows, 0) + 1
+        self.prefill_shapes.add((rows, length))
+
+    def count_step(self, rows: int, sampler_calls: int) -> None:
+        """One decode step of ``rows`` rows, which called the sampler that many times."""
+        self.decode_steps += 1
+        self.sampler_calls += sampler_calls
+        self.vectorized_steps += sampler_calls == 1
+        self.batch_sizes[rows] = self.batch_sizes.get(rows, 0) + 1
+
+
+class _PendingLogprobs:
+    """One step's log-probs, still on the device; read once, when its tokens are."""
+
+    def __init__(self, step: StepLogprobs, rows: LogprobRows) -> None:
+        self.step, self.rows = step, rows
+        self._host: list[TokenLogprob | None] | None = None
+
+    def row(self, i: int) -> _RowLogprobs:
+        return _RowLogprobs(self, i)
+
+    def resolve(self) -> list[TokenLogprob | None]:
+        if self._host is None:
+            self._host = to_host(self.step, self.rows)
+        return self._host
+
+
+@dataclass(frozen=True, slots=True)
+class _RowLogprobs:
+    pending: _PendingLogprobs
+    index: int
+
+    def get(self) -> TokenLogprob | None:
+        return self.pending.resolve()[self.index]
+
+
+class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
+    """mlx-lm's generation batch, with every row's processors and log-probs batched.
+
+    ``_step`` is mlx-lm 0.32.2's, but for two stages: the per-row logits processor loop
+    becomes one :func:`~mlxq.batching.logits.apply` over the batch (rows' token windows
+    in a :class:`~mlxq.batching.history.TokenHistory` that follows the rows through
+    ``filter`` and ``extend``), and the per-row split of the full-vocabulary log-probs
+    becomes one :func:`~mlxq.batching.logprobs.step_logprobs` for the rows that asked
+    (none asked: nothing is computed). Each step is counted in ``counters``."""
+
+    #: Whether finished rows' caches are wanted (the engine keeps a prompt cache). mlx-lm
+    #: copies every layer of each finished row, waiting for the device once a layer; kept
+    #: rows are views here (the prompt cache copies what it keeps), and unwanted ones cost
+    #: nothing.
+    keep_caches = False
+
+    def __init__(self, *args: Any, counters: StepCounters, **kw: Any) -> None:
+        self._history: TokenHistory | None = None
+        self.counters = counters  # before mlx-lm's constructor, which samples a first step
+        super().__init__(*args, **kw)
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        n = len(self.tokens[idx])  # exactly the tokens its cache holds
+        if not self.keep_caches or n < MIN_REUSE:  # a row too short to keep costs nothing
+            return []
+        return [row_cache(c, idx, n) for c in self.prompt_cache]
+
+    def _step(self) -> Any:
+        sampler = cast(RowSampler, self.fallback_sampler)
+        sampler.bind(self.uids)
+        rows, before = len(self.uids), sampler.calls
+        out = self._batched_step()
+        self.counters.count_step(rows, sampler.calls - before)
+        return out
+
+    def _batched_step(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        sampler = cast(RowSampler, self.fallback_sampler)
+        self._current_tokens = self._next_tokens  # type: ignore[assignment]
+        self._current_logprobs = self._next_logprobs
+        inputs: Any = self._current_tokens
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        grammar = sampler.grammar_rows
+        if grammar is not None:
+            # The forward pass runs while the host reads the fed tokens and fills masks.
+            mx.async_eval(logits)
+            fed = _ints(inputs)
+            start = time.perf_counter()
+            bitmask = grammar.masks(fed)
+            self.counters.mask_ms += (time.perf_counter() - start) * 1000
+        rows = sampler.logits_rows(logits.shape[-1])
+        if rows is not None:
+            logits = apply(logits, self._history_for(sampler, inputs), rows)
+        if grammar is not None:
+            logits = apply_bitmask(logits, bitmask)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = sampler(logprobs)
+        pending: list[mx.array] = []
+        lp_rows = sampler.logprob_rows
+        if lp_rows is not None:
+            step = step_logprobs(logprobs, sampled, lp_rows)
+            handle = _PendingLogprobs(step, lp_rows)
+            self._next_logprobs = [handle.row(i) for i in range(len(self.uids))]
+            pending += step.arrays()
+        else:
+            self._next_logprobs = [None] * len(self.uids)
+        if self._history is not None:
+            self._history = self._history.append(sampled)
+            pending.append(self._history.tokens)
+        self._next_tokens = sampled
+        mx.async_eval(self._next_tokens, *pending)
+        mx.eval(inputs)
+        tokens = cast(list[int], inputs.tolist())
+        for sti, ti in zip(self.tokens, tokens, strict=True):
+            sti.append(ti)
+        return tokens, [None if h is None else h.get() for h in self._current_logprobs]
+
+    def _history_for(self, sampler: RowSampler, inputs: mx.array) -> TokenHistory:
+        if self._history is None:
+            self._history = _history(sampler, self.uids, self.tokens, _ints(inputs))
+        return self._history
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        if self._history is not None:
+            self._history = self._history.select(keep) if keep else None
+
+    def extend(self, batch: Any) -> None:
+        sampler = cast(RowSampler, self.fallback_sampler)
+        mine, theirs = self._history, getattr(batch, "_history", None)
+        if (mine is None) != (theirs is None) and self.uids and batch.uids:
+            # The side without a history has no row with processors: any window will do.
+            if mine is None:
+                mine = _history(sampler, self.uids, self.tokens, _ints(self._next_tokens))
+            else:
+                theirs = _history(sampler, batch.uids, batch.tokens, _ints(batch._next_tokens))
+        super().extend(batch)
+        if mine is not None and theirs is not None:
+            self._history = mine.extend(theirs)
+        else:
+            self._history = mine if mine is not None else theirs
+
+
+def _history(
+    sampler: RowSampler, uids: list[int], tokens: list[list[int]], next_inputs: list[int]
+) -> TokenHistory:
+    """The rows' windows: every token in their caches, then the input being decoded."""
+    sizes = [sampler.context(u) for u in uids]
+    return TokenHistory.from_prompts(
+        [[*t, x] for t, x in zip(tokens, next_inputs, strict=True)],
+        sizes,
+        generated=[sampler.generated_before(u) for u in uids],
+        vocab_size=sampler.vocab_size,
+    )
+
+
+def _ints(tokens: Any) -> list[int]:
+    return cast(list[int], tokens.tolist())
