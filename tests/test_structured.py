@@ -52,18 +52,19 @@ def _mlxq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _worker_stats(client: Client, counter: str, least: int) -> dict[str, Any]:
-    """The worker's stats once ``counter`` reached ``least`` (stats follow within a second)."""
+def _worker_stats(client: Client, name: str, counter: str, least: int) -> dict[str, Any]:
+    """Worker ``name``'s stats once ``counter`` reached ``least`` (stats follow within a
+    second; other tests' workers may still be listed on the session's Redis)."""
     deadline = time.monotonic() + 30
     while True:
-        (w,) = collect(client.redis)["workers"]
+        (w,) = [w for w in collect(client.redis)["workers"] if w["name"] == name]
         if w.get(counter, 0) >= least or time.monotonic() > deadline:
             return w
         time.sleep(0.1)
 
 
 def test_the_producer_api_and_the_cli(redis_server, queue_name, start_worker, tmp_path):
-    start_worker(max_batch=16)
+    worker = start_worker(max_batch=16)
     client = Client(redis_server.url, queue=queue_name)
     jobs = [client.submit(f"Weather {i}:", json_schema=SCHEMA, max_tokens=80) for i in range(6)]
     jobs += [
@@ -126,7 +127,7 @@ def test_the_producer_api_and_the_cli(redis_server, queue_name, start_worker, tm
     assert refused.returncode != 0 and "regex=" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    w = _worker_stats(client, "constrained_rows", 10 + 4 + 1 + 1 + 4)
+    w = _worker_stats(client, worker.name, "constrained_rows", 10 + 4 + 1 + 1 + 4)
     assert w["constraint_compiles"] == 5  # SCHEMA, CHOICES, REGEX, the grammar, yes/no: once
     assert w["vectorized_steps"] == w["decode_steps"] > 0
     assert w["mask_ms"] > 0
