@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from mlxq.producer import keys
+from mlxq.producer import keys, sentinel
 
 T = TypeVar("T")
 
@@ -61,7 +61,9 @@ def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
     """A client for ``url`` whose single commands ride out a brief blip.
 
     Args:
-        url: ``redis://[user:pass@]host:port/db`` or ``rediss://`` for TLS.
+        url: ``redis://[user:pass@]host:port/db``, ``rediss://`` for TLS, or
+            ``redis+sentinel://[user:pass@]host:port[,host:port...]/service[/db]`` for a
+            Redis managed by Sentinel (see :mod:`mlxq.producer.sentinel`).
         retries: Times redis-py retries a command on a dropped connection (the callers'
             own loops handle longer outages); 0 for calls that must not be repeated
             blindly.
@@ -71,6 +73,8 @@ def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
     kw.setdefault("socket_keepalive", True)
     kw.setdefault("max_connections", MAX_CONNECTIONS)
     kw.setdefault("timeout", POOL_TIMEOUT_S)
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, sentinel.Rediscover(backoff(), retries), **kw)
     retry = Retry(backoff(), retries)
     pool = redis.BlockingConnectionPool.from_url(url, retry=retry, **kw)
     client = redis.Redis(connection_pool=pool, retry=retry)
@@ -80,6 +84,14 @@ def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
 
 def connect_async(url: str, *, retries: int = 2) -> aioredis.Redis:
     """The asyncio twin of :func:`connect`."""
+    if sentinel.is_sentinel(url):
+        return sentinel.master_async(
+            url,
+            sentinel.AsyncRediscover(backoff(), retries),
+            health_check_interval=30,
+            max_connections=MAX_CONNECTIONS,
+            timeout=POOL_TIMEOUT_S,
+        )
     retry = AsyncRetry(backoff(), retries)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
@@ -95,6 +107,8 @@ def connect_async(url: str, *, retries: int = 2) -> aioredis.Redis:
 
 def redact(url: str) -> str:
     """``url`` with its password shown as ``***``: for messages and logs."""
+    if sentinel.is_sentinel(url):
+        return sentinel.redact(url)
     try:
         parts = urllib.parse.urlsplit(url)
         if parts.password is None:

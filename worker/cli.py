@@ -342,12 +342,15 @@ def _check_redis(config: c.WorkerConfig) -> None:
     import redis
 
     from mlxq.producer.connection import connect, problem
+    from mlxq.producer.sentinel import cluster_problem
     from mlxq.worker.access import lacking, user_of
 
     url = config.redis_url
     client = connect(url, retries=0)
     try:
         client.ping()
+        if (refused := cluster_problem(client)) is not None:
+            raise SetupError(refused)
         missing = lacking(client, config.worker_name, config.levels.queues)
     except redis.RedisError as e:
         raise SetupError(problem(url, e)) from e
