@@ -133,6 +133,15 @@ class SentinelRedis:
         proc.wait(10)
         return port
 
+    def failover(self) -> int:
+        """A coordinated failover (``SENTINEL FAILOVER``): the old primary lives on, demoted
+        to a replica (its clients get ``READONLY``); the new primary's port."""
+        old = self.master_port()
+        self.client(self.sentinel_ports[0]).execute_command("SENTINEL", "FAILOVER", SERVICE)
+        new = self.wait_failover(old)
+        _wait(lambda: self.client(old).info("replication")["role"] == "slave", "demotion")
+        return new
+
     def wait_failover(self, old: int, timeout: float = 60.0) -> int:
         """Wait until every sentinel names a new primary that answers as one; its port."""
 

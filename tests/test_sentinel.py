@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 from opshelp import mlxq as mlxq_cli
 
 from mlxq.producer import AsyncClient, Client
-from mlxq.producer.connection import connect, redact
+from mlxq.producer.connection import Outage, connect, connect_async, redact, retry_forever
 from mlxq.producer.sentinel import RedisURLError, SentinelURL, parse
 
 
@@ -77,6 +78,30 @@ def test_every_command_says_a_bad_url_in_one_line(tiny_model):
         assert out.returncode == 2, (args, out.stderr)
         assert "service name" in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert "secret" not in out.stderr
+
+
+def test_clients_follow_a_demoted_master_to_the_new_one(sentinel_redis):
+    """A coordinated failover leaves the old master up as a replica: kept connections get
+    READONLY. A client without retries fails once and its caller's retry_forever reaches
+    the new master; the asyncio client's own per-command retry does it in one call."""
+    client = connect(sentinel_redis.url, retries=0)
+    old = sentinel_redis.master_port()
+
+    async def run() -> int:
+        aclient = connect_async(sentinel_redis.url)
+        await aclient.set("ak", "before")
+        client.set("k", "before")
+        new = await asyncio.to_thread(sentinel_redis.failover)
+        await aclient.set("ak", "after")
+        await aclient.aclose()
+        return new
+
+    new = asyncio.run(run())
+    assert new != old
+    outage = Outage(logging.getLogger("test"), "test")
+    retry_forever(lambda: client.set("k", "after"), outage)
+    assert sentinel_redis.client(new).get("k") == b"after"
+    assert sentinel_redis.client(new).get("ak") == b"after"
 
 
 def _cluster_node(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
