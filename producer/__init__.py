@@ -12,6 +12,7 @@ from mlxq.producer.errors import (
     JobTimeout,
     MlxqError,
     NoSuchJob,
+    NotReplicated,
     PayloadError,
     QueueBroken,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "JobTimeout",
     "MlxqError",
     "NoSuchJob",
+    "NotReplicated",
     "PayloadError",
     "QueueBroken",
     "QueueFull",

@@ -37,6 +37,34 @@ def redis_url(url: str | None = None) -> str:
     return url or os.environ.get(REDIS_URL_ENV) or keys.DEFAULT_REDIS_URL
 
 
+#: How many replicas must confirm a submit (and a worker's ends) before they count as
+#: done, when a command or client is given no number: 0 (do not wait) when unset.
+WAIT_REPLICAS_ENV = "MLXQ_WAIT_REPLICAS"
+#: How long one ``WAIT`` for replicas may take by default; at most :data:`MAX_WAIT_S`.
+WAIT_TIMEOUT_S = 2.0
+#: The longest ``WAIT``: it blocks the connection, whose reads time out after 5 s
+#: (redis-py's default socket timeout).
+MAX_WAIT_S = 4.0
+
+
+def wait_replicas(n: int | None = None) -> int:
+    """The replicas to wait for: ``n`` when given, else ``$MLXQ_WAIT_REPLICAS``, else 0.
+
+    Raises:
+        ValueError: naming the value (or the variable) that is no count of replicas.
+    """
+    where = "wait_replicas"
+    if n is None:
+        where, raw = WAIT_REPLICAS_ENV, os.environ.get(WAIT_REPLICAS_ENV, "").strip() or "0"
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"{where}={raw!r}: give a number of replicas (0 or more)") from None
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1000:
+        raise ValueError(f"{where}={n!r}: give a number of replicas, 0 to 1000")
+    return n
+
+
 #: What counts as Redis being away (restarting, unreachable, out of memory): retried.
 TRANSIENT: tuple[type[Exception], ...] = (
     redis.ConnectionError,

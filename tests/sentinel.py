@@ -162,6 +162,15 @@ class SentinelRedis:
         """Bring the node that listened on ``port`` back, as a replica of the primary."""
         self._node(port, self.master_port())
 
+    def add_replica(self) -> int:
+        """One more replica of the primary, in sync; its port."""
+        port = _free_port()
+        self.data_ports.append(port)
+        primary = self.master_port()
+        self._node(port, primary)
+        self.wait_replicas(primary, len(self.data_ports) - 1)
+        return port
+
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.kill()
