@@ -27,7 +27,7 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mlxq.producer import AsyncJob, JobFailed, PayloadError, QueueFull, Result
+from mlxq.producer import AsyncJob, JobFailed, NotReplicated, PayloadError, QueueFull, Result
 from mlxq.producer.errors import InvalidRequest
 from mlxq.producer.gateway.auth import require_key
 from mlxq.producer.gateway.errors import APIError
@@ -150,6 +150,8 @@ async def _submit(gw: Gateway, req: OpenAIRequest) -> tuple[AsyncJob, str]:
         return await client.submit(**req.submit), tier
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+    except NotReplicated as e:  # --wait-replicas: the replicas lag or are gone
+        raise APIError(503, str(e), code="not_replicated", headers={"Retry-After": "1"}) from None
     except InvalidRequest as e:
         raise APIError(400, str(e), param=e.param) from None
     except PayloadError as e:  # the gateway's own client caps (max_tokens_cap)
