@@ -122,8 +122,37 @@ class SentinelRedis:
     def wait_replicas(self, port: int, n: int) -> None:
         """Wait until the primary on ``port`` has ``n`` replicas in sync."""
         c = self.client(port)
-        _wait(lambda: int(c.info("replication")["connected_slaves"]) >= n, "replicas", 60)
+        try:
+            _wait(lambda: int(c.info("replication")["connected_slaves"]) >= n, "replicas", 60)
+        except RuntimeError:
+            raise RuntimeError(f"{n} replicas of {port} not in 60 s: {self._roles()}") from None
         _wait(lambda: int(c.wait(n, 1000)) >= n, "replicas to catch up", 60)
+
+    def _roles(self) -> dict[int, str]:
+        roles = {}
+        for p in self.procs:
+            try:
+                info = self.client(p).info("replication")
+                keys = ("role", "master_port", "master_link_status", "connected_slaves")
+                roles[p] = " ".join(str(info.get(k, "")) for k in keys)
+            except redis.RedisError as e:
+                roles[p] = repr(e)
+        return roles
+
+    def freeze_replicas(self) -> list[int]:
+        """SIGSTOP every replica and make the primary drop them at their next byte (the
+        kernel would otherwise buffer what a stopped replica applies when it resumes): from
+        now on the primary's writes reach none; their ports (for :meth:`thaw`)."""
+        primary = self.master_port()
+        frozen = [p for p in self.procs if p in self.data_ports and p != primary]
+        for p in frozen:
+            self.procs[p].send_signal(signal.SIGSTOP)
+        self.client(primary).config_set("client-output-buffer-limit", "replica 1 1 0")
+        return frozen
+
+    def thaw(self, ports: list[int]) -> None:
+        for p in ports:
+            self.procs[p].send_signal(signal.SIGCONT)
 
     def kill_master(self) -> int:
         """SIGKILL the primary; its port is returned (for :meth:`restart`)."""

@@ -42,6 +42,7 @@ NAMES = (
     "giveback",
     "leave",
     "route",
+    "resync",
 )
 SCRIPTS: dict[str, Script] = {n: load("mlxq.worker", n) for n in NAMES}
 
