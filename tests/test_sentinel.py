@@ -74,7 +74,7 @@ def test_every_command_says_a_bad_url_in_one_line(tiny_model):
     bad = "redis+sentinel://app:secret@h1:1/"
     runs = [["info"], ["submit", "hi"], ["worker", "--model", str(tiny_model)]]
     for args in runs:
-        out = mlxq_cli(*args, url=bad)
+        out = mlxq_cli(*args, url=bad, timeout=300)
         assert out.returncode == 2, (args, out.stderr)
         assert "service name" in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert "secret" not in out.stderr
@@ -122,7 +122,7 @@ def test_the_worker_refuses_a_redis_cluster_in_one_line(tmp_path, tiny_model):
         deadline = time.monotonic() + 30
         while not _pings(client) and time.monotonic() < deadline:
             time.sleep(0.05)
-        out = mlxq_cli("worker", "--model", str(tiny_model), "--queue", "q", url=url)
+        out = mlxq_cli("worker", "--model", str(tiny_model), "--queue", "q", url=url, timeout=300)
         assert out.returncode == 1, out.stderr
         assert "mlxq: Redis Cluster is not supported" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr

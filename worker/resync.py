@@ -79,8 +79,9 @@ def after_failover(bridge: Bridge, held: Held, inbox: Inbox) -> None:
         now = Now.read()
         run_call(bridge.redis, release(bridge.k, bridge.token, now, ReleaseMode.CLEAN, give_back))
     log.warning(
-        "redis master changed (failover): %d running job(s) go on under a new attempt "
-        "(%d claimed again), %d lost to another worker, %d whose end was lost requeued",
+        "redis master changed (failover): %d running job(s) go on under a new attempt, "
+        "%d recorded as started again (the new master lacked their start), %d lost to "
+        "another worker, %d whose end was lost requeued",
         len(kept),
         reclaimed,
         len(lost),
