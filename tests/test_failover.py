@@ -132,3 +132,28 @@ def test_a_replica_promoted_without_the_last_writes_strands_nothing(
     requeued = int(said[0].split(" whose end was lost")[0].rsplit(" ", 1)[1])
     assert requeued >= unseen > 0, said[0]
     assert " 0 recorded as started again" not in said[0], said[0]
+
+
+def test_the_gateway_streams_across_a_failover(
+    sentinel_redis, queue_name, start_worker, start_gateway
+):
+    """OpenAI streams open through ``mlxq serve`` when the primary dies: each goes on where
+    its client is (the worker restreams the same text) and ends with the job's text."""
+    import openai
+
+    url = sentinel_redis.url
+    start_worker(redis_url=url, max_batch=8, window_ms=0, wait_replicas=1)
+    g = start_gateway(redis_url=url)
+    oai = openai.OpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(max_tokens=1500, temperature=1.0, seed=3)
+    streams = [
+        iter(oai.completions.create(model=queue_name, prompt=f"Tale {i}", stream=True, **kw))
+        for i in range(3)
+    ]
+    heads = [next(s) for s in streams]
+    _kill_and_follow(sentinel_redis)
+    client = Client(url, queue=queue_name)
+    for head, rest in zip(heads, streams, strict=True):
+        text = "".join(c.choices[0].text for c in [head, *rest] if c.choices)
+        job_id = head.id.removeprefix("cmpl-")
+        assert text == client.job(job_id).result(timeout=120).text

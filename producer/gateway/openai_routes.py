@@ -31,6 +31,7 @@ from mlxq.producer import AsyncJob, JobFailed, NotReplicated, PayloadError, Queu
 from mlxq.producer.errors import InvalidRequest
 from mlxq.producer.gateway.auth import require_key
 from mlxq.producer.gateway.errors import APIError
+from mlxq.producer.gateway.resume import Resume, Void
 from mlxq.producer.gateway.state import Gateway
 from mlxq.producer.openai_api import (
     CHAT,
@@ -265,8 +266,14 @@ async def _events(
     try:
         for obj in fmt.head():
             yield sse(obj)
+        resume = Resume()
         async for c in job.stream():
-            if c.kind == "reset":
+            if c.kind == "reset":  # a restart: kept while it repeats what was sent
+                resume.reset()
+                continue
+            try:
+                c = resume.admit(c)
+            except Void:
                 cut = "restarted"
                 yield _stream_error(
                     f"job {job.id} was restarted after its worker was lost; "
