@@ -157,3 +157,21 @@ def test_the_gateway_streams_across_a_failover(
         text = "".join(c.choices[0].text for c in [head, *rest] if c.choices)
         job_id = head.id.removeprefix("cmpl-")
         assert text == client.job(job_id).result(timeout=120).text
+
+
+def test_run_batch_finishes_a_sweep_across_a_failover(
+    sentinel_redis, queue_name, start_worker, tmp_path
+):
+    """``mlxq run-batch`` rides out a primary's death: every line answered once, 200."""
+    from test_run_batch import RunBatch, assert_once_each, comp, write_batch
+
+    url = sentinel_redis.url
+    start_worker(redis_url=url, max_batch=8, window_ms=0, wait_replicas=1)
+    cids = {f"line-{i}" for i in range(24)}
+    lines = [comp(c, f"Tale {c}", queue_name, max_tokens=300, seed=1) for c in sorted(cids)]
+    inp, out = write_batch(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    run = RunBatch(tmp_path, url, inp, out, "--wait-replicas", "1")
+    wait_for(lambda: out.exists() and out.stat().st_size > 0, "the first answers")
+    _kill_and_follow(sentinel_redis)
+    assert run.wait(300) == 0, run.stderr()
+    assert_once_each(out, cids)
