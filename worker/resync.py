@@ -14,40 +14,18 @@ queue's front once the worker checked it still does not hold them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 import redis
 
-from mlxq.producer.scripts import Arg, Call
 from mlxq.producer.scripts import call as run_call
 from mlxq.worker.bridge import Bridge
 from mlxq.worker.commit import release
-from mlxq.worker.errors import LeaseLost
 from mlxq.worker.held import Held
 from mlxq.worker.messages import Inbox, MasterChanged
-from mlxq.worker.scripts import Now, WorkerKeys, script_call, text
+from mlxq.worker.scripts import Now, resync
 from mlxq.worker.writes import ReleaseMode
 
 log = logging.getLogger("mlxq.worker")
-
-#: (job id, execution id, the attempt its stream goes on under)
-Run = tuple[str, str, int]
-
-
-def _verdicts(reply: Any) -> tuple[list[str], list[str]]:
-    if reply and reply[0] == b"lease":
-        raise LeaseLost("resync")
-    return [text(v) for v in reply[0]], [text(i) for i in reply[1]]
-
-
-def resync(k: WorkerKeys, token: str, now: Now, runs: Sequence[Run]) -> Call[Any]:
-    """The resync script's call: (a verdict per run: ``ok``, ``reclaimed``, ``lost``;
-    the strays' ids)."""
-    args: list[Arg] = [token, k.worker, now.text]
-    for job_id, execution, attempt in runs:
-        args += [job_id, execution, attempt]
-    return script_call("resync", [k.alive, k.wip, k.queue], args, _verdicts)
 
 
 class MasterWatch:
@@ -55,9 +33,17 @@ class MasterWatch:
 
     def __init__(self) -> None:
         self.run_id: str | None = None
+        self.refused = False
 
     def changed(self, client: redis.Redis) -> bool:
-        run_id = str(client.info("server").get("run_id", ""))
+        if self.refused:
+            return False
+        try:
+            run_id = str(client.info("server").get("run_id", ""))
+        except redis.ResponseError as e:  # INFO refused (an ACL): no watch, said once
+            log.warning("cannot read the Redis master's run_id (%s): failovers go unseen", e)
+            self.refused = True
+            return False
         before, self.run_id = self.run_id, run_id
         return before is not None and run_id != before
 
