@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import shutil
 import socket
 import subprocess
@@ -105,9 +106,15 @@ def test_clients_follow_a_demoted_master_to_the_new_one(sentinel_redis):
 
 
 def _cluster_node(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    # A cluster node also listens on port + 10000 (its bus): both must be free and valid.
+    for port in random.sample(range(20000, 55000), 200):
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+                break
+            except OSError:
+                continue
     exe = shutil.which("redis-server") or "redis-server"
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)]
     proc = subprocess.Popen([*args, "--cluster-enabled", "yes"], stdout=subprocess.DEVNULL)
@@ -120,7 +127,8 @@ def test_the_worker_refuses_a_redis_cluster_in_one_line(tmp_path, tiny_model):
         url = f"redis://127.0.0.1:{port}/0"
         client = connect(url)
         deadline = time.monotonic() + 30
-        while not _pings(client) and time.monotonic() < deadline:
+        while not _pings(client):
+            assert time.monotonic() < deadline, "the cluster-mode redis-server did not start"
             time.sleep(0.05)
         out = mlxq_cli("worker", "--model", str(tiny_model), "--queue", "q", url=url, timeout=300)
         assert out.returncode == 1, out.stderr
