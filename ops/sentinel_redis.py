@@ -17,6 +17,15 @@ import redis
 SERVICE = "mlxq"
 #: How long the sentinels wait before they call a silent primary down.
 DOWN_AFTER_MS = 1000
+#: A sentinel starts no failover of the service within twice this of its last one: a new
+#: primary stalled a second on a busy machine is not failed over again at once (its
+#: replica may still be syncing from it). Kills must be spaced by ``FAILOVER_GAP_S``.
+FAILOVER_TIMEOUT_MS = 5000
+FAILOVER_GAP_S = 2 * FAILOVER_TIMEOUT_MS / 1000
+
+
+class NoSentinel(RuntimeError):
+    """This redis-server cannot run as a sentinel (a build without it)."""
 
 
 def _free_port() -> int:
@@ -53,6 +62,7 @@ class SentinelRedis:
             )
         self.exe, self.workdir = exe, workdir
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.killed_at = -FAILOVER_GAP_S
         self.data_ports = [_free_port() for _ in range(3)]
         self.sentinel_ports = [_free_port() for _ in range(3)]
         primary = self.data_ports[0]
@@ -93,7 +103,7 @@ class SentinelRedis:
             f"port {port}\nbind 127.0.0.1\ndir {d}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
-            f"sentinel failover-timeout {SERVICE} 2000\n"
+            f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
             f"sentinel parallel-syncs {SERVICE} 2\n"
         )
         self.procs[port] = subprocess.Popen(
@@ -101,7 +111,15 @@ class SentinelRedis:
             stdout=(d / "log").open("ab"),
             stderr=subprocess.STDOUT,
         )
-        _wait(self.client(port).ping, f"sentinel on {port} to start", 30)
+        proc = self.procs[port]
+        try:
+            _wait(self.client(port).ping, f"sentinel on {port} to start", 30)
+        except RuntimeError:
+            if proc.poll() is None:
+                raise
+            log = (d / "log").read_text(errors="replace").strip().splitlines()[-3:]
+            self.stop()
+            raise NoSentinel(f"{self.exe} --sentinel exited: {' / '.join(log)}") from None
 
     def _sentinels_agree(self) -> bool:
         """Every sentinel sees the others and two replicas in good health."""
@@ -169,8 +187,14 @@ class SentinelRedis:
         for p in ports:
             self.procs[p].send_signal(signal.SIGCONT)
 
+    def wait_failover_gap(self) -> None:
+        """Wait until the sentinels may fail the service over again (FAILOVER_GAP_S after
+        the last kill)."""
+        time.sleep(max(0.0, self.killed_at + FAILOVER_GAP_S - time.monotonic()))
+
     def kill_master(self) -> int:
         """SIGKILL the primary; its port is returned (for :meth:`restart`)."""
+        self.killed_at = time.monotonic()
         port = self.master_port()
         proc = self.procs.pop(port)
         proc.send_signal(signal.SIGKILL)

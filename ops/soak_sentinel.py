@@ -26,7 +26,7 @@ from pathlib import Path
 
 import redis
 from procs import start_worker, stop
-from sentinel_redis import DOWN_AFTER_MS, SentinelRedis
+from sentinel_redis import DOWN_AFTER_MS, FAILOVER_GAP_S, SentinelRedis
 
 from mlxq.producer import Client, Job
 from mlxq.producer.connection import TRANSIENT
@@ -192,10 +192,15 @@ def _run(setup: SentinelRedis, args: argparse.Namespace, work: Path) -> int:
     watch = threading.Thread(target=_watch_ends, args=(setup, tally, done), daemon=True)
     load.start()
     watch.start()
+    last = -FAILOVER_GAP_S
     for n in range(args.kills):
         target = args.jobs * (n + 1) // (args.kills + 1)
-        while len(tally.acked) < target and load.is_alive():
+        # The sentinels fail a service over at most once per FAILOVER_GAP_S.
+        while (len(tally.acked) < target or time.monotonic() - last < FAILOVER_GAP_S) and (
+            load.is_alive()
+        ):
             time.sleep(0.05)
+        last = time.monotonic()
         _kill(setup, tally)
     load.join()
     figures = _check(setup, tally)

@@ -8,6 +8,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
 
-from sentinel_redis import DOWN_AFTER_MS, SERVICE, SentinelRedis
+from sentinel_redis import DOWN_AFTER_MS, SERVICE, NoSentinel, SentinelRedis
 
-__all__ = ["DOWN_AFTER_MS", "SERVICE", "SentinelRedis"]
+__all__ = ["DOWN_AFTER_MS", "SERVICE", "NoSentinel", "SentinelRedis"]

@@ -23,7 +23,11 @@ def _ended_once(setup, jobs) -> None:
     """Each job's result log (rq's, one entry per run that ended) holds exactly one run."""
     r = setup.client(setup.master_port())
     ends = {j.id: r.xlen(k.results_key(j.id)) for j in jobs}
-    assert set(ends.values()) == {1}, {i: n for i, n in ends.items() if n != 1}
+    assert set(ends.values()) == {1}, {
+        i: (n, {f: v[:60] for f, v in r.hgetall(k.job_key(i)).items()})
+        for i, n in ends.items()
+        if n != 1
+    }
 
 
 def _kill_and_follow(setup) -> int:
@@ -66,6 +70,7 @@ def test_a_primary_killed_mid_stream_loses_no_job_and_no_chunk(
     sentinel_redis.restart(old)
     sentinel_redis.wait_replicas(sentinel_redis.master_port(), 2)
     sentinel_redis.wait_healthy()
+    sentinel_redis.wait_failover_gap()
     last = _long(client, 2) + _sweep(client, 6, 40)
     late = [Listener(j) for j in last]
     wait_for(lambda: all(lis.text for lis in late[:2]), "the second sweep to stream")

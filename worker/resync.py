@@ -13,6 +13,7 @@ queue's front once the worker checked it still does not hold them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import redis
@@ -36,6 +37,13 @@ class MasterWatch:
         self.refused = False
 
     def changed(self, client: redis.Redis) -> bool:
+        # Ask the sentinels too (a Sentinel pool only): a master they replaced while it
+        # stayed up (a failover on a stall) answers as one until it is converted, and its
+        # connections would keep taking writes the new master never sees.
+        ask = getattr(client.connection_pool, "get_master_address", None)
+        if ask is not None:
+            with contextlib.suppress(redis.ConnectionError):
+                ask()  # a new address: the pool drops its connections to the old one
         if self.refused:
             return False
         try:
