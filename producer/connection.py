@@ -3,7 +3,7 @@
 Every client mlxq makes (producers, the worker's threads, listeners) comes from
 :func:`connect`, and every loop that rides out a Redis outage retries with
 :func:`retry_forever`: redis-py's ``Retry`` with ``ExponentialBackoff``, 50 ms doubling to
-2 s. An outage is logged twice, when it starts and when it ends, not on every attempt.
+0.5 s. An outage is logged twice, when it starts and when it ends, not on every attempt.
 """
 
 from __future__ import annotations
@@ -74,8 +74,13 @@ TRANSIENT: tuple[type[Exception], ...] = (
 )
 
 
+#: The longest pause between two attempts: short, so a worker is back within half a
+#: second of a Sentinel's promotion (or a restart), at a few calls a second per thread.
+BACKOFF_CAP_S = 0.5
+
+
 def backoff() -> ExponentialBackoff:
-    return ExponentialBackoff(cap=2.0, base=0.025)
+    return ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.025)
 
 
 #: Connections one client keeps at most; more concurrent calls wait for a free one
