@@ -73,7 +73,8 @@ def after_failover(bridge: Bridge, held: Held, inbox: Inbox) -> None:
         now = Now.read()
         run_call(bridge.redis, release(bridge.k, bridge.token, now, ReleaseMode.CLEAN, give_back))
     log.warning(
-        "redis master changed (failover): %d running job(s) go on under a new attempt, "
+        "redis master changed (a failover, or a restart): %d running job(s) go on under a "
+        "new attempt, "
         "%d recorded as started again (the new master lacked their start), %d lost to "
         "another worker, %d whose end was lost requeued",
         len(kept),
