@@ -76,8 +76,9 @@ bench-e2e: install
 bench-priority: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/bench_priority.py $(ARGS)
 
+# ARGS="--sentinel --jobs 2000": a Sentinel-managed Redis, three primary kills under load.
 soak: install
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/soak.py
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/soak.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

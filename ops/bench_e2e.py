@@ -23,6 +23,7 @@ Usage:
     python ops/bench_e2e.py                           # tiny model: a minute or two on CPU
     python ops/bench_e2e.py --shape 0.5b --json out.json
     python ops/bench_e2e.py --modes direct-shared,mlxq-homog --jobs 64
+    python ops/bench_e2e.py --sentinel     # --wait-replicas 0 vs 1 (ops/bench_replicas.py)
 """
 
 from __future__ import annotations
@@ -674,4 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--sentinel" in sys.argv[1:]:  # the price of --wait-replicas: ops/bench_replicas.py
+        from bench_replicas import main as replicas_main
+
+        sys.exit(replicas_main(sys.argv[1:]))
     sys.exit(main())

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from mlxq.producer import AsyncClient, AsyncJob
+from mlxq.producer.connection import connect
 from mlxq.producer.info import collect
 
 MLXQ = Path(sys.executable).with_name("mlxq")
@@ -130,7 +131,7 @@ def start_worker(
         )
     if started is not None:
         started.append(proc)
-    r = redis.Redis.from_url(url)
+    r = connect(url)  # redis:// or redis+sentinel://
     try:
         wait_for(
             "mlxq worker",

@@ -24,6 +24,9 @@ that differs from the result; no worker may go a second without a decode step wh
 jobs running (the one deliberately frozen excepted); Redis memory and worker RSS are
 printed before, midway and after the TTLs expire. Exits 1 when a check fails (the temp dir
 with the logs is kept).
+
+``--sentinel`` runs another soak instead: a Sentinel-managed Redis whose primary is killed
+under load (``ops/soak_sentinel.py``).
 """
 
 from __future__ import annotations
@@ -1292,4 +1295,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--sentinel" in sys.argv[1:]:  # primary kills under load: ops/soak_sentinel.py
+        from soak_sentinel import main as sentinel_main
+
+        sys.exit(sentinel_main(sys.argv[1:]))
     sys.exit(main())

@@ -13,6 +13,7 @@ from mlxq.producer.errors import (
     JobTimeout,
     MlxqError,
     NoSuchJob,
+    NotReplicated,
     PayloadError,
     QueueBroken,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "JobTimeout",
     "MlxqError",
     "NoSuchJob",
+    "NotReplicated",
     "PayloadError",
     "QueueBroken",
     "QueueFull",

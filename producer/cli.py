@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Collection, Sequence
@@ -99,8 +100,21 @@ def redis_url(arg: str | None) -> str:
     return connection.redis_url(arg)
 
 
+def add_wait_replicas(p: argparse.ArgumentParser) -> None:
+    """The ``--wait-replicas`` option of the commands that submit."""
+    p.add_argument(
+        "--wait-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a submit returns only once N replicas confirm its jobs (Redis WAIT) "
+        f"(default: ${connection.WAIT_REPLICAS_ENV}, else 0: do not wait)",
+    )
+
+
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
+    add_wait_replicas(p)
     p.add_argument(
         "--redis-url",
         default=None,
@@ -155,6 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = level == "DEBUG"
     if hasattr(args, "redis_url"):
         args.redis_url = redis_url(args.redis_url)
+    # The worker reads its own (its options resolve from the environment later).
+    if args.command != "worker" and getattr(args, "wait_replicas", None) is not None:
+        # Every client this command makes reads it, as it reads $MLXQ_REDIS_URL.
+        try:
+            n = connection.wait_replicas(args.wait_replicas)
+        except ValueError as e:
+            _say(str(e), e, debug)
+            return 2
+        os.environ[connection.WAIT_REPLICAS_ENV] = str(n)
     if args.command not in ("worker", "serve", "run-batch"):  # these set up their own logging
         logging.basicConfig(
             level=level if isinstance(logging.getLevelName(level), int) else "WARNING",

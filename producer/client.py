@@ -18,9 +18,11 @@ from rq.utils import now as rq_now
 
 from mlxq.producer import keys, scripts
 from mlxq.producer.codec import MsgpackSerializer
-from mlxq.producer.connection import connect
+from mlxq.producer.connection import MAX_WAIT_S, WAIT_TIMEOUT_S, connect
 from mlxq.producer.connection import redis_url as resolve_url
+from mlxq.producer.connection import wait_replicas as wait_replicas_of
 from mlxq.producer.errors import JobIdInUse as JobIdInUse
+from mlxq.producer.errors import NotReplicated as NotReplicated
 from mlxq.producer.errors import QueueBroken as QueueBroken
 from mlxq.producer.errors import QueueFull as QueueFull
 from mlxq.producer.job import Job as Job
@@ -38,7 +40,7 @@ from mlxq.producer.result import latest_fields as latest_fields
 from mlxq.producer.result import latest_value as latest_value
 from mlxq.producer.result import reason_of as reason_of
 from mlxq.producer.result import value_of as value_of
-from mlxq.producer.validate import integer_in
+from mlxq.producer.validate import integer_in, number_in
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -105,6 +107,11 @@ class Client:
         failure_ttl: Seconds a failed job's record is kept.
         max_queued: Refuse submits (``QueueFull``) when this many jobs wait; None: no cap.
         connection: An existing ``redis.Redis`` to use instead of ``redis_url``.
+        wait_replicas: A submit returns only once this many replicas confirm its jobs'
+            records (Redis ``WAIT``), else raises ``NotReplicated``; None:
+            ``$MLXQ_WAIT_REPLICAS``, else 0 (do not wait).
+        wait_timeout: Seconds that ``WAIT`` may take, at most 4 (it holds a connection
+            whose reads time out after 5 s).
     """
 
     def __init__(
@@ -117,8 +124,13 @@ class Client:
         failure_ttl: int = DEFAULT_FAILURE_TTL,
         max_queued: int | None = None,
         connection: redis.Redis | None = None,
+        wait_replicas: int | None = None,
+        wait_timeout: float = WAIT_TIMEOUT_S,
     ) -> None:
         _check_queue(queue)
+        self.wait_replicas = wait_replicas_of(wait_replicas)
+        number_in("wait_timeout", wait_timeout, 0.001, MAX_WAIT_S)
+        self.wait_timeout = wait_timeout
         for name, value, lo, hi in (
             ("max_tokens_cap", max_tokens_cap, 1, 1 << 24),
             ("result_ttl", result_ttl, 1, keys.MAX_RECORD_TTL),
@@ -248,7 +260,8 @@ class Client:
                 to re-attach after a crash instead of submitting again). Each must be
                 new, or an ended job's (its records, result and log are replaced by the
                 new job's); the id of a job still queued or running is refused, and so
-                the whole call. None: fresh uuids.
+                the whole call, unless that job holds the same request (a retried
+                submit: it is left as it is, queued once). None: fresh uuids.
             queue: The queue these jobs go to; None: the client's own. ``max_queued``
                 caps each queue on its own.
 
@@ -259,6 +272,9 @@ class Client:
             JobIdInUse: (a ``ValueError``) naming the id that is a live job's.
             QueueFull: the queue would exceed ``max_queued``.
             QueueBroken: the queue's Redis key is of another type (a rogue write).
+            NotReplicated: fewer than ``wait_replicas`` replicas confirmed the records in
+                time; the jobs may still run. Submitting again with ``job_ids=e.job_ids``
+                is safe: a job still live with the same request is not queued twice.
         """
         q = self._rq_queue(queue)
         ids = _check_ids(job_ids, len(jobs))
@@ -276,15 +292,23 @@ class Client:
         # still being sent; the first slice checks every id the caller chose, so an id in
         # use refuses the whole call before anything is queued.
         step = max(1, len(records)) if self.max_queued is not None else SUBMIT_SLICE
-        chosen = [j for j in ids if j is not None]
+        chosen = [
+            (r[0], scripts.digest(r[1])) for r, j in zip(records, ids, strict=True) if j is not None
+        ]
         handles: list[Job] = []
         for i in range(0, len(records), step):
             part = records[i : i + step]
             later = chosen[i + step :] if i == 0 else []
-            verdict = scripts.call(
-                self.redis, scripts.submit(q.key, self.max_queued, part, check_too=later)
+            (verdict,), reached = scripts.run_waited(
+                self.redis,
+                [scripts.submit(q.key, self.max_queued, part, check_too=later)],
+                self.wait_replicas,
+                int(self.wait_timeout * 1000),
             )
             _refused(verdict, q, self.max_queued, ids)
+            if reached < self.wait_replicas:
+                every = [job_id for job_id, _ in records]
+                raise NotReplicated(self.wait_replicas, reached, self.wait_timeout, every)
             handles += [Job(self, job_id) for job_id, _ in part]
         return handles
 

@@ -3,7 +3,7 @@
 Every client mlxq makes (producers, the worker's threads, listeners) comes from
 :func:`connect`, and every loop that rides out a Redis outage retries with
 :func:`retry_forever`: redis-py's ``Retry`` with ``ExponentialBackoff``, 50 ms doubling to
-2 s. An outage is logged twice, when it starts and when it ends, not on every attempt.
+0.5 s. An outage is logged twice, when it starts and when it ends, not on every attempt.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from mlxq.producer import keys
+from mlxq.producer import keys, sentinel
 
 T = TypeVar("T")
 
@@ -37,6 +37,34 @@ def redis_url(url: str | None = None) -> str:
     return url or os.environ.get(REDIS_URL_ENV) or keys.DEFAULT_REDIS_URL
 
 
+#: How many replicas must confirm a submit (and a worker's ends) before they count as
+#: done, when a command or client is given no number: 0 (do not wait) when unset.
+WAIT_REPLICAS_ENV = "MLXQ_WAIT_REPLICAS"
+#: How long one ``WAIT`` for replicas may take by default; at most :data:`MAX_WAIT_S`.
+WAIT_TIMEOUT_S = 2.0
+#: The longest ``WAIT``: it blocks the connection, whose reads time out after 5 s
+#: (redis-py's default socket timeout).
+MAX_WAIT_S = 4.0
+
+
+def wait_replicas(n: int | None = None) -> int:
+    """The replicas to wait for: ``n`` when given, else ``$MLXQ_WAIT_REPLICAS``, else 0.
+
+    Raises:
+        ValueError: naming the value (or the variable) that is no count of replicas.
+    """
+    where = "wait_replicas"
+    if n is None:
+        where, raw = WAIT_REPLICAS_ENV, os.environ.get(WAIT_REPLICAS_ENV, "").strip() or "0"
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"{where}={raw!r}: give a number of replicas (0 or more)") from None
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1000:
+        raise ValueError(f"{where}={n!r}: give a number of replicas, 0 to 1000")
+    return n
+
+
 #: What counts as Redis being away (restarting, unreachable, out of memory): retried.
 TRANSIENT: tuple[type[Exception], ...] = (
     redis.ConnectionError,
@@ -46,8 +74,13 @@ TRANSIENT: tuple[type[Exception], ...] = (
 )
 
 
+#: The longest pause between two attempts: short, so a worker is back within half a
+#: second of a Sentinel's promotion (or a restart), at a few calls a second per thread.
+BACKOFF_CAP_S = 0.5
+
+
 def backoff() -> ExponentialBackoff:
-    return ExponentialBackoff(cap=2.0, base=0.025)
+    return ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.025)
 
 
 #: Connections one client keeps at most; more concurrent calls wait for a free one
@@ -61,7 +94,9 @@ def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
     """A client for ``url`` whose single commands ride out a brief blip.
 
     Args:
-        url: ``redis://[user:pass@]host:port/db`` or ``rediss://`` for TLS.
+        url: ``redis://[user:pass@]host:port/db``, ``rediss://`` for TLS, or
+            ``redis+sentinel://[user:pass@]host:port[,host:port...]/service[/db]`` for a
+            Redis managed by Sentinel (see :mod:`mlxq.producer.sentinel`).
         retries: Times redis-py retries a command on a dropped connection (the callers'
             own loops handle longer outages); 0 for calls that must not be repeated
             blindly.
@@ -71,6 +106,8 @@ def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
     kw.setdefault("socket_keepalive", True)
     kw.setdefault("max_connections", MAX_CONNECTIONS)
     kw.setdefault("timeout", POOL_TIMEOUT_S)
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, sentinel.Rediscover(backoff(), retries), **kw)
     retry = Retry(backoff(), retries)
     pool = redis.BlockingConnectionPool.from_url(url, retry=retry, **kw)
     client = redis.Redis(connection_pool=pool, retry=retry)
@@ -80,6 +117,14 @@ def connect(url: str, *, retries: int = 2, **kw: Any) -> redis.Redis:
 
 def connect_async(url: str, *, retries: int = 2) -> aioredis.Redis:
     """The asyncio twin of :func:`connect`."""
+    if sentinel.is_sentinel(url):
+        return sentinel.master_async(
+            url,
+            sentinel.AsyncRediscover(backoff(), retries),
+            health_check_interval=30,
+            max_connections=MAX_CONNECTIONS,
+            timeout=POOL_TIMEOUT_S,
+        )
     retry = AsyncRetry(backoff(), retries)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
@@ -95,6 +140,8 @@ def connect_async(url: str, *, retries: int = 2) -> aioredis.Redis:
 
 def redact(url: str) -> str:
     """``url`` with its password shown as ``***``: for messages and logs."""
+    if sentinel.is_sentinel(url):
+        return sentinel.redact(url)
     try:
         parts = urllib.parse.urlsplit(url)
         if parts.password is None:

@@ -80,6 +80,31 @@ class JobIdInUse(MlxqError, ValueError):
     its key holds something that is no job record. The message names the id."""
 
 
+class NotReplicated(MlxqError):
+    """A submit wrote its jobs on the primary, but ``WAIT`` saw fewer replicas confirm
+    them than ``wait_replicas`` asked within the timeout: the jobs may still run, and may
+    be lost if the primary fails before its replicas catch up.
+
+    Submitting again with the same ids is safe: a job still live with the same request is
+    not queued twice (``client.submit_many(jobs, job_ids=e.job_ids)``).
+
+    Attributes:
+        asked: The replicas asked for.
+        reached: The replicas that confirmed.
+        job_ids: Every id of the call, in order (those after the unconfirmed slice were
+            not sent).
+    """
+
+    def __init__(self, asked: int, reached: int, timeout_s: float, job_ids: list[str]) -> None:
+        what = f"job {job_ids[0]}" if len(job_ids) == 1 else f"{len(job_ids)} jobs"
+        super().__init__(
+            f"{what}: only {reached} of {asked} replicas confirmed the submit within "
+            f"{timeout_s:g} s (wait_replicas={asked}): it may still run, but a failover now "
+            "could lose it; submitting again with the same job ids is safe"
+        )
+        self.asked, self.reached, self.job_ids = asked, reached, job_ids
+
+
 class BatchLocked(MlxqError):
     """Another ``mlxq run-batch`` run is writing the same output file."""
 

@@ -67,10 +67,22 @@ def run(client: redis.Redis, calls: Sequence[Call[Any]]) -> list[Any]:
     Raises:
         redis.RedisError: a connection error, or a script that raised (a bug, not data).
     """
+    return run_waited(client, calls, 0, 0)[0]
+
+
+def run_waited(
+    client: redis.Redis, calls: Sequence[Call[Any]], replicas: int, timeout_ms: int
+) -> tuple[list[Any], int]:
+    """:func:`run`, then ``WAIT replicas timeout_ms`` on the same connection (WAIT counts
+    the replicas that have this connection's writes; inside a script it would not block):
+    the parsed replies and the replicas that confirmed (0 when ``replicas`` is 0: no WAIT).
+    """
     for attempt in (0, 1):
         with client.pipeline(transaction=False) as pipe:
             for c in calls:
                 pipe.execute_command("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args)
+            if replicas > 0:
+                pipe.execute_command("WAIT", replicas, timeout_ms)
             replies = pipe.execute(raise_on_error=False)
         if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
             for script in {c.script.name: c.script for c in calls}.values():
@@ -79,7 +91,9 @@ def run(client: redis.Redis, calls: Sequence[Call[Any]]) -> list[Any]:
         for r in replies:
             if isinstance(r, Exception):
                 raise r
-        return [c.parse(r) for c, r in zip(calls, replies, strict=True)]
+        reached = int(replies[-1]) if replicas > 0 else 0
+        parsed = [c.parse(r) for c, r in zip(calls, replies, strict=False)]
+        return parsed, reached
     raise AssertionError("unreachable")
 
 
@@ -126,14 +140,25 @@ def submit(
     queue_key: str,
     max_queued: int | None,
     records: Sequence[tuple[str, Mapping[str, Arg]]],
-    check_too: Sequence[str] = (),
+    check_too: Sequence[tuple[str, str]] = (),
 ) -> Call[list[str]]:
     """Enqueue jobs (each its id and rq's record fields) once every check passed, ids
-    ``check_too`` included: ``ok``, or why nothing was written (``queue <type>``,
-    ``full <queued>``, ``live <id> <status>``, ``taken <id> <type>``, ``oom``)."""
-    args: list[Arg] = [-1 if max_queued is None else max_queued, len(check_too), *check_too]
+    ``check_too`` (each with its request's :func:`digest`) included: ``ok``, or why
+    nothing was written (``queue <type>``, ``full <queued>``, ``live <id> <status>``,
+    ``taken <id> <type>``, ``oom``). A live job whose record holds the same request is
+    no refusal: it is left as it is (a retried submit)."""
+    args: list[Arg] = [-1 if max_queued is None else max_queued, len(check_too)]
+    for job_id, sha in check_too:
+        args += [job_id, sha]
     for job_id, fields in records:
-        args += [job_id, len(fields)]
+        args += [job_id, digest(fields), len(fields)]
         for name, value in fields.items():
             args += [name, value]
     return Call(SUBMIT, [queue_key, keys.RQ_QUEUES], args, _words)
+
+
+def digest(fields: Mapping[str, Arg]) -> str:
+    """The SHA-1 (hex) of a job record's request (rq's ``data`` field), as Lua's
+    ``redis.sha1hex`` gives it."""
+    data = fields.get("data", b"")
+    return hashlib.sha1(data if isinstance(data, bytes) else str(data).encode()).hexdigest()

@@ -199,11 +199,18 @@ class Follow:
         Raises:
             JobFailed: it failed.
             NoSuchJob: it never existed (or its records expired).
-            StreamGap: chunks are missing that only the log could have given.
+            StreamGap: chunks are missing that only the log could have given (the job
+                ended, and no result holds its text).
         """
         cur = self.cur
         cur.done = True
-        if cur.gap:
+        if cur.gap and status == Outcome.FINISHED and text is not None:
+            # The log lost chunks (a failover took them, or they were refused): the result
+            # holds the whole text. What was shown stands if the text goes on from it;
+            # else the listener is told to clear it, then given all of it.
+            if not text.startswith(cur.text):
+                return self._restart(text, token_ids, finish_reason, usage)
+        elif cur.gap and status not in (Outcome.FAILED, Outcome.CANCELED, None):
             raise StreamGap(
                 cur.job_id,
                 f"its stream lacks chunks after seq {cur.last}: "
@@ -226,3 +233,27 @@ class Follow:
                 attempt=cur.attempt,
             )
         ]
+
+    def _restart(
+        self,
+        text: str,
+        token_ids: Sequence[int] | None,
+        finish_reason: str | None,
+        usage: dict[str, int] | None,
+    ) -> list[Chunk]:
+        """A run of its own after the last one seen: a ``reset`` (if anything was shown),
+        then the result's whole text as its last chunk."""
+        cur = self.cur
+        attempt = cur.attempt + 1
+        seq = first_seq(attempt)
+        out = [Chunk(seq, kind="reset", attempt=attempt)] if cur.shown else []
+        last = Chunk(
+            seq + 1,
+            text=text,
+            token_ids=list(token_ids or ()),
+            finish_reason=finish_reason or "stop",
+            usage=usage,
+            attempt=attempt,
+        )
+        cur.shown, cur.text, cur.last, cur.attempt = True, text, last.seq, attempt
+        return [*out, last]

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from sentinel import NoSentinel, SentinelRedis
+
+from mlxq.producer.connection import connect
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -108,6 +111,22 @@ def persistent_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+def sentinel_redis(tmp_path: Path) -> Iterator[SentinelRedis]:
+    """A primary, two replicas and three sentinels of the test's own (``.url`` names them
+    in the ``redis+sentinel://`` form); the test may kill and restart the primary."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server not found: install Redis (e.g. apt-get install redis-server)")
+    workdir = tmp_path / "sentinel"
+    workdir.mkdir()
+    try:
+        setup = SentinelRedis(workdir)
+    except NoSentinel as e:  # Debian's redis-server runs as one; another build may not
+        pytest.skip(f"no Redis Sentinel here ({e}): install Debian's redis-server")
+    yield setup
+    setup.stop()
+
+
+@pytest.fixture
 def r(redis_server: RedisServer) -> redis.Redis:
     return redis.Redis.from_url(redis_server.url)
 
@@ -132,7 +151,7 @@ class WorkerProcess:
         self, args: list[str], log: Path, redis_url: str, queue: str, name: str | None = None
     ) -> None:
         self.log, self.name = log, name
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = connect(redis_url)
         self.queue = queue
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(

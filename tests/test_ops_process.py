@@ -108,7 +108,7 @@ def test_an_outage_is_logged_once_at_start_and_once_at_end(
         w = start_worker(redis_url=own.url)
         own.stop()
         wait_for(lambda: "redis unavailable" in w.output(), "the outage warning")
-        time.sleep(1.5)  # an outage of several retries (backoff 25 ms doubling to 2 s)
+        time.sleep(1.5)  # an outage of several retries (backoff 25 ms doubling to 0.5 s)
         own.start()
         client = Client(own.url, queue=queue_name)
         assert client.submit("after the outage", max_tokens=3).result(timeout=60).token_ids

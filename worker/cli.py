@@ -213,6 +213,14 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         default=MAX_TOKENS_CAP,
         help="largest max_tokens a job may ask for",
     )
+    ENV.add(
+        p,
+        "--wait-replicas",
+        type=int,
+        default=0,
+        help="a batch of ends counts as written (its jobs freed) once this many replicas "
+        "confirm it (Redis WAIT); 0 does not wait",
+    )
 
 
 def _add_service_arguments(p: argparse.ArgumentParser) -> None:
@@ -294,6 +302,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         admit_hold_steps=args.admit_hold_steps,
         prefill_buckets={"auto": None, "on": True, "off": False}[args.prefill_buckets],
         allow_mixed_models=args.allow_mixed_models,
+        wait_replicas=args.wait_replicas,
     )
 
 
@@ -342,12 +351,15 @@ def _check_redis(config: c.WorkerConfig) -> None:
     import redis
 
     from mlxq.producer.connection import connect, problem
+    from mlxq.producer.sentinel import cluster_problem
     from mlxq.worker.access import lacking, user_of
 
     url = config.redis_url
     client = connect(url, retries=0)
     try:
         client.ping()
+        if (refused := cluster_problem(client)) is not None:
+            raise SetupError(refused)
         missing = lacking(client, config.worker_name, config.levels.queues)
     except redis.RedisError as e:
         raise SetupError(problem(url, e)) from e

@@ -20,10 +20,11 @@ import redis
 
 from mlxq.producer import keys, scripts
 from mlxq.producer.codec import NOTICE, MsgpackSerializer, encode_chunk
+from mlxq.producer.connection import WAIT_TIMEOUT_S
 from mlxq.producer.outcome import Outcome, outcome_of
 from mlxq.producer.scripts import Arg, Call
 from mlxq.worker.bridge import STARTED_TTL, Bridge
-from mlxq.worker.errors import LeaseLost
+from mlxq.worker.errors import LeaseLost, ReplicasBehind
 from mlxq.worker.routing import ROUTE_TTL
 from mlxq.worker.scripts import Now, WorkerKeys, script_call, text
 from mlxq.worker.writes import (
@@ -36,12 +37,17 @@ from mlxq.worker.writes import (
     StartWrite,
 )
 
+#: How long one WAIT for replicas after a flush of ends may take.
+WAIT_MS = int(WAIT_TIMEOUT_S * 1000)
+
 
 def commit(bridge: Bridge, f: Flush) -> FlushReply:
     """Write one flush in one round trip.
 
     Raises:
         LeaseLost: the lease is not this worker's (nothing was written).
+        ReplicasBehind: fewer replicas than ``--wait-replicas`` confirmed the ends (they
+            are written; the caller sends the same flush again).
         redis.exceptions.OutOfMemoryError: Redis refused it (nothing was written past
             the point it reports; the caller retries the same flush, idempotently).
     """
@@ -59,8 +65,14 @@ def commit(bridge: Bridge, f: Flush) -> FlushReply:
     calls += [release(k, token, now, r.mode, r.job_ids) for r in f.releases]
     if f.starts:
         calls.append(start(k, token, now, STARTED_TTL, f.starts))
+    # An end counts once its replicas have it: WAIT on the same connection, after the
+    # scripts (inside one it would not block), one per flush however many jobs end.
+    asked = bridge.config.wait_replicas if (f.ends or f.fails) else 0
+    parts, reached = scripts.run_waited(bridge.redis, calls, asked, WAIT_MS)
+    if reached < asked:
+        raise ReplicasBehind(asked, reached)
     out = FlushReply()
-    for part in scripts.run(bridge.redis, calls):
+    for part in parts:
         out.add(part)
     return out
 

@@ -104,6 +104,8 @@ class WorkerConfig:
             before their prefill (``mlxq.batching.prefill.Gather``); 0: none.
         prefill_buckets: Pad prefill passes to a few bucketed shapes, so a GPU backend's
             per-shape plans are reused; None (the default): on where MLX runs on CUDA.
+        wait_replicas: A flush of ends counts as written once this many replicas confirm
+            it (Redis ``WAIT``); until then the jobs are not freed. 0: do not wait.
         allow_mixed_models: Start even when live workers of its queues serve another
             model (by default it refuses: a job's answer would depend on the worker).
 
@@ -134,6 +136,7 @@ class WorkerConfig:
     admit_hold_steps: int = DEFAULT_ADMIT_HOLD_STEPS
     prefill_buckets: bool | None = None
     allow_mixed_models: bool = False
+    wait_replicas: int = 0
     levels: Levels = field(init=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +169,7 @@ class WorkerConfig:
         integer_in("stream_ttl", self.stream_ttl, 1, keys.MAX_RECORD_TTL)
         integer_in("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
         integer_in("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
+        integer_in("wait_replicas", self.wait_replicas, 0, 1000)
         _check_prefill(self.admit_hold_steps, self.prefill_buckets)
         _check_bool("allow_mixed_models", self.allow_mixed_models)
         if self.metrics_port is not None:

@@ -112,3 +112,9 @@ class Held:
     def running(self) -> list[tuple[str, str]]:
         """(id, execution id) of the started jobs (running or paused)."""
         return [(j.id, j.execution_id) for j in self.started()]
+
+    def attempts(self) -> list[tuple[str, str, int, bool]]:
+        """(id, execution id, attempt, whether it runs) of the started jobs: running,
+        paused, or ending (its end being committed)."""
+        jobs = self.jobs(Status.RUNNING, Status.PAUSED, Status.ENDING)
+        return [(j.id, j.execution_id, j.attempt, j.status is not Status.ENDING) for j in jobs]

@@ -187,6 +187,23 @@ class Job:
             return []
         return [self._next(kind="reset")]
 
+    def rebase(self, attempt: int) -> list[Chunk]:
+        """Go on under a new run number (the Redis master changed and its log may lack
+        chunks): the chunks that open it, a ``reset`` and each choice's whole text so far,
+        so a listener clears what it showed and gets the full text, never a gap."""
+        self.attempt = attempt
+        self.seq = first_seq(attempt) - 1
+        out = [self._next(kind="reset")]
+        for c in self.choices:
+            c.out_text, c.out_ids, c.out_logprobs = [], [], []
+            kw: dict[str, Any] = {"finish_reason": c.finish_reason if c.closed else None}
+            if len(self.choices) > 1:
+                kw["done"] = False
+            lps = list(c.logprobs) if c.logprobs is not None else None
+            text, ids = "".join(c.text), list(c.token_ids)
+            out.append(self._next(text=text, token_ids=ids, index=c.index, logprobs=lps, **kw))
+        return out
+
     def apply(self, delta: Delta) -> None:
         """Output one step made for one choice, kept until its next chunk goes out; the
         choice ends with the delta's ``finish_reason``."""

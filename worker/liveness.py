@@ -24,6 +24,7 @@ from mlxq.worker.bridge import Bridge, process_gone
 from mlxq.worker.held import Held
 from mlxq.worker.logs import THROTTLE
 from mlxq.worker.messages import CancelRequested, Inbox, Reaped, Suspended
+from mlxq.worker.resync import MasterWatch, after_failover
 from mlxq.worker.stats import WorkerStats
 from mlxq.worker.threads import Helper
 
@@ -71,6 +72,7 @@ class Liveness(Helper):
         self._poke = threading.Event()
         self._reported_epoch = -1
         self._next: dict[str, float] = {}
+        self.master = MasterWatch()
 
     def poke(self) -> None:
         """Beat now (a write was refused for the lease)."""
@@ -91,6 +93,7 @@ class Liveness(Helper):
         steps short; the pause stays a beat, so the lease is kept as soon as it can be)."""
         for step in (
             self._beat,
+            self._watch_master,
             self._check_suspended,
             self._reap,
             self._publish,
@@ -134,6 +137,11 @@ class Liveness(Helper):
                     "or a rogue write); nobody took its jobs",
                     self.bridge.name,
                 )
+
+    def _watch_master(self) -> None:
+        # After a failover the new master may lack the old one's last writes.
+        if self.master.changed(self.bridge.redis):
+            after_failover(self.bridge, self.held, self.inbox)
 
     def _check_suspended(self) -> None:
         suspended = self.bridge.suspended()

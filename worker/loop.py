@@ -46,6 +46,10 @@ MAX_ATTEMPTS = 3
 SETTLE_S = 10.0
 
 
+#: A job whose run started and has not ended.
+STARTED = (Status.RUNNING, Status.PAUSED)
+
+
 class DecodeLoop:
     """The decode thread's jobs and turns; :meth:`run` serves until :meth:`stop`.
 
@@ -235,8 +239,23 @@ class DecodeLoop:
                 self._abandon()
             case messages.Suspended(suspended):
                 self._suspend(suspended)
+            case messages.MasterChanged(kept, lost):
+                self._after_failover(kept, lost)
             case _:
                 messages.unhandled(message)
+
+    def _after_failover(
+        self, kept: tuple[tuple[str, str, int], ...], lost: tuple[tuple[str, str], ...]
+    ) -> None:
+        """Restream the runs kept under their new attempt; drop those lost."""
+        for job_id, execution, attempt in kept:
+            job = self.held.get(job_id)
+            if job and job.execution_id == execution and job.status in STARTED:
+                self.sink.chunks([ChunkWrite(job.id, c, True) for c in job.rebase(attempt)])
+        for job_id, execution in lost:  # a paused one's end is refused in its turn
+            job = self.held.get(job_id)
+            if job and job.execution_id == execution and job.status is Status.RUNNING:
+                self._settle(job_id, self.ends.refused_at_start(job, "lost in a failover"))
 
     def _on_started(self, verdicts: Mapping[str, str]) -> None:
         for job_id, verdict in verdicts.items():

@@ -7,7 +7,8 @@ at the top of each turn (:meth:`mlxq.worker.loop.DecodeLoop._handle_inbox`).
 - the writer (:mod:`mlxq.worker.sink`): :class:`Started`, :class:`Ended`,
   :class:`Settled`, :class:`WriteFailed`;
 - the cancel listener and the heartbeat: :class:`CancelRequested`;
-- the heartbeat (:mod:`mlxq.worker.liveness`): :class:`Reaped`, :class:`Suspended`.
+- the heartbeat (:mod:`mlxq.worker.liveness`): :class:`Reaped`, :class:`Suspended`,
+  :class:`MasterChanged`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,20 @@ class Suspended:
     suspended: bool
 
 
-Message = Started | Ended | Settled | CancelRequested | WriteFailed | Reaped | Suspended
+@dataclass(frozen=True, slots=True)
+class MasterChanged:
+    """The Redis master changed (a failover) and its records were made to agree with the
+    jobs held (:mod:`mlxq.worker.resync`): ``kept`` runs (id, execution id, attempt) go on
+    under that attempt, restreaming their text; ``lost`` ones (id, execution id) are
+    another worker's now, or ended: they are dropped."""
+
+    kept: tuple[tuple[str, str, int], ...]
+    lost: tuple[tuple[str, str], ...]
+
+
+Message = (
+    Started | Ended | Settled | CancelRequested | WriteFailed | Reaped | Suspended | MasterChanged
+)
 Inbox = queue.SimpleQueue[Message]
 
 

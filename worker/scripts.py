@@ -42,6 +42,7 @@ NAMES = (
     "giveback",
     "leave",
     "route",
+    "resync",
 )
 SCRIPTS: dict[str, Script] = {n: load("mlxq.worker", n) for n in NAMES}
 
@@ -301,3 +302,24 @@ def hand(
         [token, k.worker, job_id, to.worker, now_ms, ttl_ms, most],
         text,
     )
+
+
+# -- after a failover (the heartbeat) -----------------------------------------------------
+
+
+def _resynced(reply: Any) -> tuple[list[str], list[str]]:
+    if reply and reply[0] == b"lease":
+        raise LeaseLost("resync")
+    return [text(v) for v in reply[0]], [text(i) for i in reply[1]]
+
+
+def resync(
+    k: WorkerKeys, token: str, now: Now, runs: Sequence[tuple[str, str, int]]
+) -> Call[tuple[list[str], list[str]]]:
+    """Make a new master agree with the runs held (id, execution id, attempt): a verdict
+    per run (``ok``, ``reclaimed``, ``lost``) and the strays' ids (started here, not
+    held: their end was lost). See ``resync.lua``."""
+    args: list[Arg] = [token, k.worker, now.text]
+    for job_id, execution, attempt in runs:
+        args += [job_id, execution, attempt]
+    return script_call("resync", [k.alive, k.wip, k.queue], args, _resynced)

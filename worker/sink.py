@@ -23,7 +23,7 @@ from mlxq.producer.connection import TRANSIENT, Outage, retry_forever
 from mlxq.producer.outcome import Outcome
 from mlxq.worker.bridge import Bridge
 from mlxq.worker.commit import commit
-from mlxq.worker.errors import LeaseLost
+from mlxq.worker.errors import LeaseLost, ReplicasBehind
 from mlxq.worker.jobs import unstarted_error
 from mlxq.worker.logs import THROTTLE
 from mlxq.worker.messages import Ended, Inbox, Settled, Started, WriteFailed
@@ -258,7 +258,7 @@ class Sink:
                 self._ttl_done = max(self._ttl_done, wanted)
             return reply
 
-        reply = retry_forever(attempt, self._outage, (*TRANSIENT, LeaseLost))
+        reply = retry_forever(attempt, self._outage, (*TRANSIENT, LeaseLost, ReplicasBehind))
         if reply is not None:
             self._deliver(reply)
 

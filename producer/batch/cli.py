@@ -18,6 +18,7 @@ from mlxq.producer.batch.config import (
 )
 from mlxq.producer.batch.progress import PREFIX
 from mlxq.producer.batch.run import run_batch
+from mlxq.producer.cli import add_wait_replicas
 
 DESCRIPTION = """\
 Run every line of an OpenAI Batch input file ({"custom_id", "method": "POST", "url":
@@ -54,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"Redis URL (default: $MLXQ_REDIS_URL, else {keys.DEFAULT_REDIS_URL})",
     )
+    add_wait_replicas(p)
     p.add_argument(
         "--max-in-flight",
         type=int,

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from mlxq.producer.cli import add_wait_replicas
 from mlxq.producer.client import DEFAULT_REDIS_URL
 from mlxq.producer.gateway.config import (
     DEFAULT_HOST,
@@ -33,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"Redis URL (default: $MLXQ_REDIS_URL, else {DEFAULT_REDIS_URL})",
     )
+    add_wait_replicas(p)
     # The default is read from the environment but never shown: it is a secret.
     p.add_argument(
         "--api-key",

@@ -27,10 +27,11 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mlxq.producer import AsyncJob, JobFailed, PayloadError, QueueFull, Result
+from mlxq.producer import AsyncJob, JobFailed, NotReplicated, PayloadError, QueueFull, Result
 from mlxq.producer.errors import InvalidRequest
 from mlxq.producer.gateway.auth import require_key
 from mlxq.producer.gateway.errors import APIError
+from mlxq.producer.gateway.resume import Resume, Void
 from mlxq.producer.gateway.state import Gateway
 from mlxq.producer.openai_api import (
     CHAT,
@@ -159,6 +160,8 @@ async def _submit(gw: Gateway, req: OpenAIRequest) -> tuple[AsyncJob, str, str]:
         return await client.submit(**req.submit), tier, tool_format
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+    except NotReplicated as e:  # --wait-replicas: the replicas lag or are gone
+        raise APIError(503, str(e), code="not_replicated", headers={"Retry-After": "1"}) from None
     except InvalidRequest as e:
         raise APIError(400, str(e), param=e.param) from None
     except PayloadError as e:  # the gateway's own client caps (max_tokens_cap)
@@ -273,8 +276,14 @@ async def _events(
     try:
         for obj in fmt.head():
             yield sse(obj)
+        resume = Resume()
         async for c in job.stream():
-            if c.kind == "reset":
+            if c.kind == "reset":  # a restart: kept while it repeats what was sent
+                resume.reset()
+                continue
+            try:
+                c = resume.admit(c)
+            except Void:
                 cut = "restarted"
                 yield _stream_error(
                     f"job {job.id} was restarted after its worker was lost; "

@@ -19,6 +19,7 @@ import redis
 
 from mlxq.producer import keys
 from mlxq.producer.aio import AsyncClient
+from mlxq.producer.connection import connect
 from mlxq.producer.gateway.config import GatewayConfig
 from mlxq.producer.gateway.errors import APIError
 from mlxq.producer.gateway.metrics import Metrics
@@ -143,7 +144,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.redis = redis.Redis.from_url(config.redis_url)
+        self.redis = connect(config.redis_url)
         self.metrics = Metrics()
         self.rates = Rates(config.history_s)
         self._clients: dict[str, AsyncClient] = {}
