@@ -233,6 +233,7 @@ SAMPLES = {
     "prompt_cache_bytes": ("0", "prompt_cache_bytes", 0),
     "routing": ("yes", "routing", False),
     "allow_mixed_models": ("1", "allow_mixed_models", True),
+    "wait_replicas": ("2", "wait_replicas", 2),
     "log_level": ("DEBUG", None, None),
     "log_format": ("json", None, None),
 }
