@@ -45,7 +45,9 @@ _JOBS = "mlxq.producer.commands"
 _CONTROL = "mlxq.producer.control"
 #: Every command, in the order ``mlxq --help`` lists them.
 COMMANDS: dict[str, Command] = {
-    "model": Command("build models", "mlxq.worker.cli", "add_model_arguments", "run_model", False),
+    "model": Command(
+        "build models", "mlxq.worker.model_cli", "add_model_arguments", "run_model", False
+    ),
     "worker": Command("run the MLX worker", "mlxq.worker.cli", "add_worker", "run_worker", False),
     "submit": Command(
         "submit one job; print its id or stream its text", _JOBS, "add_submit", "run_submit"

@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from mlxq.producer import keys
 from mlxq.producer.errors import SetupError
 from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.worker import config as c
-from mlxq.worker import logs
+from mlxq.worker import logs, startup
 from mlxq.worker.env import EnvOptions
 
 log = logging.getLogger("mlxq.worker")
@@ -306,76 +305,6 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
     )
 
 
-def model_problem(model: str) -> str | None:
-    """Why ``model`` cannot be loaded, as far as the file system tells; None when it may
-    (a model directory, or what reads as a Hugging Face repo id)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            return (
-                f"model directory {model} has no config.json, so it is no mlx-lm model: "
-                "give a model directory (`mlxq model tiny DIR` writes a test model) or a "
-                "Hugging Face repo id"
-            )
-        return None
-    if path.exists():
-        return f"model {model} is a file: give a model directory or a Hugging Face repo id"
-    # A repo id is "name" or "org/name"; anything else is a path that is not there.
-    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
-        return f"no model directory {model}: check the path, or give a Hugging Face repo id"
-    return None
-
-
-def _load_problem(model: str, e: Exception) -> str:
-    from huggingface_hub import errors as hf
-
-    if isinstance(e, (hf.RepositoryNotFoundError, hf.GatedRepoError)):
-        return (
-            f"model {model!r}: Hugging Face has no such repo, or it is private: check the "
-            "repo id (org/name), or give a local model directory"
-        )
-    if isinstance(e, (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled)):
-        return (
-            f"model {model!r} is no local directory and cannot be downloaded (Hugging Face "
-            "unreachable or offline mode): check the name, or download it first "
-            f"(hf download {model})"
-        )
-    if isinstance(e, hf.HFValidationError):
-        return f"model {model!r} is neither a local directory nor a Hugging Face repo id"
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"cannot load model {model!r}: {type(e).__name__}: {first}"
-
-
-def _check_redis(config: c.WorkerConfig) -> None:
-    """Redis answers, and lets the worker's user do all the worker does (ACLs)."""
-    import redis
-
-    from mlxq.producer.connection import connect, problem
-    from mlxq.producer.sentinel import cluster_problem
-    from mlxq.worker.access import lacking, user_of
-
-    url = config.redis_url
-    client = connect(url, retries=0)
-    try:
-        client.ping()
-        if (refused := cluster_problem(client)) is not None:
-            raise SetupError(refused)
-        missing = lacking(client, config.worker_name, config.levels.queues)
-    except redis.RedisError as e:
-        raise SetupError(problem(url, e)) from e
-    finally:
-        client.close()
-    if missing:
-        raise SetupError(missing.text(user_of(client)))
-    if missing.optional:
-        log.warning(
-            "Redis user %r may not run %s: a worker handing this one a chat turn cannot wake "
-            "it while it waits idle, so the turn starts when its wait ends",
-            user_of(client),
-            ", ".join(missing.optional),
-        )
-
-
 def run_worker(args: argparse.Namespace) -> int:
     """Check what the worker needs (MLX, the model path, Redis and what its user may do)
     with one clear line for what is missing, then load the model and serve.
@@ -394,109 +323,21 @@ def run_worker(args: argparse.Namespace) -> int:
             raise
         print(f"mlxq: {WORKER_INSTALL_HINT} ({e})", file=sys.stderr)
         return 2
-    if (problem := model_problem(config.model)) is not None:
+    if (problem := startup.model_problem(config.model)) is not None:
         raise SetupError(problem)
-    _check_redis(config)
-    digest = _digest(config.model)  # None: a repo id mlx-lm downloads as it loads
+    startup.check_redis(config)
+    digest = startup.digest_of(config.model)  # None: a repo id mlx-lm downloads as it loads
     if digest is not None:
-        _check_model(config, digest)  # before the load: a refusal costs no minutes
+        startup.check_model(config, digest)  # before the load: a refusal costs no minutes
     try:
         engine: Any = Engine.for_worker(config)
     except Exception as e:
-        raise SetupError(_load_problem(config.model, e)) from e
+        raise SetupError(startup.load_problem(config.model, e)) from e
     if digest is None:
-        digest = _digest(config.model) or ""
+        digest = startup.digest_of(config.model) or ""
         if digest:
-            _check_model(config, digest)
+            startup.check_model(config, digest)
     return Worker(config, engine, model_digest=digest).run()
-
-
-def _digest(model: str) -> str | None:
-    from mlxq.worker.identity import model_digest
-
-    try:
-        return model_digest(model)
-    except OSError as e:  # unreadable: the load says so; compared with nothing
-        log.warning(
-            "could not fingerprint model %s (%s): not compared with other workers", model, e
-        )
-        return None
-
-
-def _check_model(config: c.WorkerConfig, digest: str) -> None:
-    """Refuse to start while live workers of its queues serve another model, unless told.
-
-    Raises:
-        SetupError: they do (naming them), or Redis cannot be reached.
-    """
-    import redis
-
-    from mlxq.producer.connection import connect, problem
-    from mlxq.worker.identity import mismatch_text, mismatches
-
-    client = connect(config.redis_url, retries=0)
-    try:
-        others = mismatches(client, config.worker_name, config.levels.queues, digest)
-    except redis.RedisError as e:
-        raise SetupError(problem(config.redis_url, e)) from e
-    finally:
-        client.close()
-    if others and not config.allow_mixed_models:
-        raise SetupError(mismatch_text(config.model, digest, others))
-    if others:
-        log.warning(
-            "serving anyway (--allow-mixed-models): %s", mismatch_text(config.model, digest, others)
-        )
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    kinds = p.add_subparsers(dest="kind", required=True)
-    tiny = kinds.add_parser(
-        "tiny", help="write a tiny random-weight Llama model (HF layout), for tests and demos"
-    )
-    tiny.add_argument("dir", help="directory to write into (created if missing)")
-    tiny.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
-    tiny.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="a real model's tokenizer.json and tokenizer_config.json (and generation_config.json)"
-        " to build the model around: random weights, that model's text handling"
-        " (default: the tiny model's own tokenizer)",
-    )
-    tiny.add_argument(
-        "--eos-ids",
-        metavar="IDS",
-        help="with --tokenizer: the model's end-of-sequence ids, comma-separated"
-        " (default: its generation_config.json's, else its eos_token)",
-    )
-
-
-def run_model(args: argparse.Namespace) -> int:
-    try:
-        from mlxq.worker.tiny import build_tiny_model, build_tiny_model_with_tokenizer
-    except ImportError as e:
-        if not missing_worker_extra(e):
-            raise
-        print(f"mlxq: {WORKER_INSTALL_HINT} ({e})", file=sys.stderr)
-        return 2
-    if args.tokenizer is None:
-        if args.eos_ids is not None:
-            print("mlxq: --eos-ids goes with --tokenizer", file=sys.stderr)
-            return 2
-        print(build_tiny_model(args.dir, seed=args.seed))
-        return 0
-    try:
-        eos = None if args.eos_ids is None else [int(x) for x in args.eos_ids.split(",")]
-    except ValueError:
-        print(f"mlxq: --eos-ids={args.eos_ids!r}: comma-separated token ids", file=sys.stderr)
-        return 2
-    try:
-        out = build_tiny_model_with_tokenizer(args.dir, args.tokenizer, seed=args.seed, eos_ids=eos)
-    except ValueError as e:
-        print(f"mlxq: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
