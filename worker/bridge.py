@@ -65,11 +65,6 @@ HAND_GRACE_MS = 500
 POLL_S = 0.05
 
 
-def _wrong_type(e: redis.ResponseError) -> bool:
-    """Whether Redis refused a command for a key of another type (a rogue write)."""
-    return str(e).startswith("WRONGTYPE")
-
-
 def process_gone(value: str) -> bool:
     """True when a lease value ``host:pid:nonce`` names a process of this host that no
     longer exists."""
@@ -198,7 +193,7 @@ class Bridge:
         try:
             v = self.redis.get(self.k.alive)
         except redis.ResponseError as e:
-            if not _wrong_type(e):
+            if not rq_compat.wrong_type(e):
                 raise
             return None
         return None if v is None else text(v)
@@ -223,43 +218,7 @@ class Bridge:
             )
 
     def _register_rq(self, stale: bool) -> None:
-        """rq's registration of this worker (``rq info``, ``mlxq info``), a stale one of
-        the name replaced, and its queues listed in rq's set of queues."""
-        if stale:
-            log.warning(
-                "worker %s: replaced the registration in rq (%s) that a previous worker of "
-                "this name left (its process is gone)",
-                self.name,
-                self.rq_worker.key,
-            )
-            self.redis.delete(self.rq_worker.key)
-        try:
-            self.rq_worker.register_birth()
-        except ValueError as e:  # rq's "There exists an active worker named ..."
-            raise SetupError(f"worker name {self.name!r} is taken: {e}") from None
-        except redis.ResponseError as e:
-            if not _wrong_type(e):
-                raise
-            # Its set of workers (or of this queue's) is of another type: the rest of the
-            # registration went through; rq's listings only lack this worker.
-            THROTTLE.warning(
-                "rq-workers",
-                "rq's set of workers (%s) is of another type: this worker is not listed there (%s)",
-                keys.RQ_WORKERS,
-                e,
-            )
-        # rq lists a queue once something was enqueued to it; a served queue is listed
-        # (in `mlxq info`, `rq info`) from the moment its first worker starts.
-        try:
-            self.redis.sadd(keys.RQ_QUEUES, *(k.queue for k in self.keys_of.values()))
-        except redis.ResponseError as e:
-            if not _wrong_type(e):
-                raise
-            THROTTLE.warning(
-                "rq-queues",
-                "rq's set of queues (%s) is of another type: these queues are not listed there",
-                keys.RQ_QUEUES,
-            )
+        rq_compat.register(self.redis, self.rq_worker, self.queues, stale)
 
     def undo_register(self) -> None:
         """Undo what :meth:`register` did (a start that failed): the lease, the rolls,
@@ -271,14 +230,7 @@ class Bridge:
                 log.warning("undoing the registration: %s", e)
 
     def _forget_rq(self) -> None:
-        """Off rq's sets of workers, and its registration gone (not kept a minute marked
-        dead, as a clean stop leaves it: this worker never served)."""
-        try:
-            self.rq_worker.register_death()
-        except redis.ResponseError as e:
-            if not _wrong_type(e):
-                raise
-        self.redis.delete(self.rq_worker.key)
+        rq_compat.forget(self.redis, self.rq_worker)
 
     def unregister(self, settled: bool) -> int:
         """Leave for good, in one script: lease and stats dropped (nothing is handed here
@@ -291,25 +243,28 @@ class Bridge:
         self.rq_worker.register_death()
         return n
 
-    def _rq(self, what: str, call: Callable[[], object]) -> None:
-        """One of rq's writes of this worker's registration: should its key have been made
-        another type (a rogue write), the registration is made again and the write retried."""
+    def _rewriting(
+        self, key: str, said: str, write: Callable[[], object], remake: Callable[[], None]
+    ) -> None:
+        """Do ``write``; should ``key`` have been made another type (a rogue write), say so
+        (once a minute), delete it, ``remake`` what it held and write again."""
         try:
-            call()
+            write()
             return
         except redis.ResponseError as e:
-            if not _wrong_type(e):
+            if not rq_compat.wrong_type(e):
                 raise
-            THROTTLE.warning(
-                self.rq_worker.key,
-                "worker %s: its registration in rq (%s) was of another type at %s: made again",
-                self.name,
-                self.rq_worker.key,
-                what,
-            )
-        self.redis.delete(self.rq_worker.key)
-        self._register_rq(stale=False)
-        call()
+            THROTTLE.warning(key, "worker %s: %s was of another type: made again", self.name, said)
+        self.redis.delete(key)
+        remake()
+        write()
+
+    def _rq(self, what: str, call: Callable[[], object]) -> None:
+        """One of rq's writes of this worker's registration, made whole again should its
+        key have been made another type."""
+        key = self.rq_worker.key
+        remake = partial(self._register_rq, stale=False)
+        self._rewriting(key, f"its registration in rq ({key}) at {what}", call, remake)
 
     def set_state(self, state: str) -> None:
         if state != self._state:
@@ -410,20 +365,9 @@ class Bridge:
             rq_compat.sweep(self.redis, q)
 
     def write_stats(self, state: str, stats: dict[str, Any]) -> None:
-        try:
-            self._write_stats(state, stats)
-            return
-        except redis.ResponseError as e:
-            if not _wrong_type(e):
-                raise
-        THROTTLE.warning(
-            self.k.stats,
-            "worker %s: its stats %s were of another type: replaced",
-            self.name,
-            self.k.stats,
-        )
-        self.redis.delete(self.k.stats)
-        self._write_stats(state, stats)
+        key = self.k.stats
+        write = partial(self._write_stats, state, stats)
+        self._rewriting(key, f"its stats ({key})", write, lambda: None)
 
     def _write_stats(self, state: str, stats: dict[str, Any]) -> None:
         key = self.k.stats
@@ -467,7 +411,7 @@ class Bridge:
                 "RIGHT",
             )
         except redis.ResponseError as e:
-            if not _wrong_type(e):
+            if not rq_compat.wrong_type(e):
                 raise
             # The queue made another type (the claim said so), or its WIP list (the next
             # claim replaces it): wait as long as a blocked move would, not spin.
@@ -479,7 +423,7 @@ class Bridge:
         try:
             listed = self.mover.lrange(self.k.wip, 0, -1)
         except redis.ResponseError as e:
-            if not _wrong_type(e):
+            if not rq_compat.wrong_type(e):
                 raise
             return []  # made another type: nothing listed, and the next claim replaces it
         return [x for x in listed if isinstance(x, bytes)]

@@ -1,4 +1,5 @@
-"""rq's own maintenance, made safe for records mlxq does not trust.
+"""rq's side of a worker: its registration (``rq info``, ``mlxq info``), and rq's own
+maintenance, made safe for records mlxq does not trust.
 
 rq's registry cleanup fetches whole job records and inflates their ``data`` and
 ``exc_info``; a worker runs it for its queue (:func:`sweep`) with every job read bounded
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -16,15 +18,80 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.worker.base import BaseWorker
 from rq.worker_registration import clean_worker_registry
 
+from mlxq.producer import keys
 from mlxq.producer.codec import MAX_JOB_DATA_BYTES, MsgpackSerializer
+from mlxq.producer.errors import SetupError
 from mlxq.worker.logs import THROTTLE
 from mlxq.worker.scripts import text
 
 log = logging.getLogger("mlxq.worker")
 
 _CALLBACKS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
+
+
+def wrong_type(e: redis.ResponseError) -> bool:
+    """Whether Redis refused a command for a key of another type (a rogue write)."""
+    return str(e).startswith("WRONGTYPE")
+
+
+def register(
+    connection: redis.Redis, worker: BaseWorker, queues: Sequence[str], stale: bool
+) -> None:
+    """rq's registration of ``worker`` (``rq info``, ``mlxq info``), a stale one of the
+    name replaced, and its ``queues`` listed in rq's set of queues.
+
+    Raises:
+        SetupError: a live worker of that name is registered.
+    """
+    if stale:
+        log.warning(
+            "worker %s: replaced the registration in rq (%s) that a previous worker of "
+            "this name left (its process is gone)",
+            worker.name,
+            worker.key,
+        )
+        connection.delete(worker.key)
+    try:
+        worker.register_birth()
+    except ValueError as e:  # rq's "There exists an active worker named ..."
+        raise SetupError(f"worker name {worker.name!r} is taken: {e}") from None
+    except redis.ResponseError as e:
+        if not wrong_type(e):
+            raise
+        # Its set of workers (or of this queue's) is of another type: the rest of the
+        # registration went through; rq's listings only lack this worker.
+        THROTTLE.warning(
+            "rq-workers",
+            "rq's set of workers (%s) is of another type: this worker is not listed there (%s)",
+            keys.RQ_WORKERS,
+            e,
+        )
+    # rq lists a queue once something was enqueued to it; a served queue is listed
+    # (in `mlxq info`, `rq info`) from the moment its first worker starts.
+    try:
+        connection.sadd(keys.RQ_QUEUES, *(keys.queue_key(q) for q in queues))
+    except redis.ResponseError as e:
+        if not wrong_type(e):
+            raise
+        THROTTLE.warning(
+            "rq-queues",
+            "rq's set of queues (%s) is of another type: these queues are not listed there",
+            keys.RQ_QUEUES,
+        )
+
+
+def forget(connection: redis.Redis, worker: BaseWorker) -> None:
+    """``worker`` off rq's sets of workers, and its registration gone (not kept a minute marked
+    dead, as a clean stop leaves it: this worker never served)."""
+    try:
+        worker.register_death()
+    except redis.ResponseError as e:
+        if not wrong_type(e):
+            raise
+    connection.delete(worker.key)
 
 
 def _inflates_past(raw: bytes, limit: int) -> bool:
