@@ -132,11 +132,14 @@ def test_a_replica_promoted_without_the_last_writes_strands_nothing(
     for lis in listeners:
         lis.check()
     _ended_once(sentinel_redis, jobs + behind)
-    said = [line for line in w.output().splitlines() if "redis master changed" in line]
-    assert said and "4 running job(s) go on under a new attempt" in said[0], w.output()
-    requeued = int(said[0].split(" whose end was lost")[0].rsplit(" ", 1)[1])
-    assert requeued >= unseen > 0, said[0]
-    assert " 0 recorded as started again" not in said[0], said[0]
+    log = w.output().splitlines()
+    said = [line for line in log if "redis master changed" in line]
+    assert said and " 0 recorded as started again" not in said[0], w.output()
+    # The jobs whose end was lost go back to the queue once: by the resync, or (whichever
+    # looks first) by the prefetcher, which claims its WIP list again after the outage.
+    by_resync = int(said[0].split(" whose end was lost")[0].rsplit(" ", 1)[1])
+    by_prefetch = sum("which no longer runs it: requeued" in line for line in log)
+    assert by_resync + by_prefetch >= unseen > 0, w.output()
 
 
 def test_the_gateway_streams_across_a_failover(

@@ -253,3 +253,25 @@ def test_a_cancel_lands_whole_whatever_type_its_keys_hold(redis_server, queue_na
     assert stranded.cancel() is True  # a cancel request: whoever holds it ends it canceled
     assert r.hget(keys.job_key(stranded.id), "mlxq_cancel") == b"1"
     _drop_junk(r, keys.queue_key(queue_name))
+
+
+def test_a_started_job_found_in_its_own_workers_list_is_named_the_workers_own(
+    redis_server, queue_name, r, tmp_path
+):
+    """After a failover the new master may hold a job as started by this worker, in its WIP
+    list, though the worker let it go (the end was lost): the claim of that entry says
+    ``mine``, not ``dup``, so the worker, which knows it runs no such job, gives it back;
+    any other worker's entry for it stays a ``dup``."""
+    from mlxq.producer import Client
+
+    bridge = _bridge(redis_server, queue_name, tmp_path)
+    client = Client(redis_server.url, queue=queue_name)
+    job = _claimed(bridge, client)
+    assert _start(bridge, job.id) == "ok"
+    (mine,) = bridge.claim(0, [job.id.encode()])  # its WIP entry, found by reconcile
+    assert (mine.verdict, mine.detail) == ("mine", "started")
+    other = _bridge(redis_server, queue_name, tmp_path)
+    r.rpush(keys.queue_key(queue_name), job.id)
+    (dup,) = other.claim(1)
+    assert (dup.verdict, dup.detail) == ("dup", "started")
+    client.close()

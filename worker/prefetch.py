@@ -350,8 +350,13 @@ class Prefetcher(Helper):
         }
         if c.verdict in reasons:
             self._fail(job_id, c, f"unreadable job record: {reasons[c.verdict]}")
-        elif c.verdict in ("dup", "missing"):
+        elif c.verdict in ("dup", "missing") or (c.verdict == "mine" and self.held.holds(job_id)):
             log.warning("job %s: dropped a stale queue entry (%s %s)", job_id, c.verdict, c.detail)
+        elif c.verdict == "mine":
+            # Started here, not run here: its end was lost (a failover promoted a replica
+            # that never saw it). Nobody else would ever run it: back to the queue.
+            log.warning("job %s: started by this worker, which no longer runs it: requeued", job_id)
+            self.sink.release(ReleaseMode.CLEAN, [job_id])
         elif c.verdict == "canceled":
             job_event(
                 log,

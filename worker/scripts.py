@@ -200,7 +200,8 @@ class Claimed:
     """What the claim script read of one job it moved into this worker's WIP list.
 
     ``verdict`` is ``"ok"`` (``data`` holds rq's stored job data) or why it was not:
-    ``dup``, ``missing``, ``canceled``, ``nodata``, ``toolarge``, ``bad``, ``oom``.
+    ``dup``, ``mine`` (this worker's own started job), ``missing``, ``canceled``, ``nodata``,
+    ``toolarge``, ``bad``, ``oom``.
     """
 
     id: bytes

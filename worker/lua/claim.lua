@@ -11,7 +11,7 @@
 -- Returns {'lease'} when the worker's lease is not its own (it was declared dead: what it
 -- was handed goes back to the queue's front), else one entry per id:
 --   {id, 'ok', data, attempt, clean, enqueued_at, handed ('1' or ''), origin}
---   | {id, 'dup', status}
+--   | {id, 'dup', status} | {id, 'mine', 'started'} (this worker's own started job)
 --   | {id, 'missing'} | {id, 'canceled'} | {id, 'nodata'} | {id, 'toolarge', bytes}
 --   | {id, 'bad', field=value}
 --   | {id, 'broken', what} (its record was no hash: rebuilt as this worker's, to fail)
@@ -99,6 +99,12 @@ for _, id in ipairs(ids) do
   elseif not status then  -- no record (HMGET gives false for a missing field), or foreign
     redis.call('LREM', wip, 1, id)
     out[#out + 1] = {id, 'missing'}
+  elseif status == 'started' and owner == worker then
+    -- This worker's own started job: a second entry for a job it runs, or (found in its
+    -- WIP list after a failover) one whose end the new master lacks; the worker, which
+    -- knows whether it still runs it, gives the latter back.
+    redis.call('LREM', wip, 1, id)
+    out[#out + 1] = {id, 'mine', status}
   elseif status ~= 'queued' or (owner ~= '' and owner ~= worker and held_by(owner, id)) then
     -- Another entry for a job that runs, ran, or another worker holds: drop this one.
     redis.call('LREM', wip, 1, id)
