@@ -239,37 +239,34 @@ def _sentinel_kwargs(u: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def master(url: str, retry: Rediscover, **kw: Any) -> redis.Redis:
-    """A client for the master of the Sentinel-managed Redis at ``url``."""
+def _master_for(url: str, sentinels: Any, pool_class: Any, retry: Any, kw: dict[str, Any]) -> Any:
+    """A client for the master of ``url``'s service, from ``sentinels`` (redis-py's sync or
+    asyncio Sentinel module), its pool of ``pool_class``, which ``retry`` makes forget the
+    master on a connection error."""
     u = parse(url)
-    s = sentinel.Sentinel(list(u.sentinels), sentinel_kwargs=_sentinel_kwargs(u, kw))
-    client: redis.Redis = s.master_for(
+    s = sentinels.Sentinel(list(u.sentinels), sentinel_kwargs=_sentinel_kwargs(u, kw))
+    client = s.master_for(
         u.service,
-        connection_pool_class=BlockingSentinelPool,
+        connection_pool_class=pool_class,
         db=u.db,
         username=u.username,
         password=u.password,
         retry=retry,
         **kw,
     )
-    retry.pool = client.connection_pool  # type: ignore[assignment]
+    retry.pool = client.connection_pool
+    return client
+
+
+def master(url: str, retry: Rediscover, **kw: Any) -> redis.Redis:
+    """A client for the master of the Sentinel-managed Redis at ``url``."""
+    client: redis.Redis = _master_for(url, sentinel, BlockingSentinelPool, retry, kw)
     return client
 
 
 def master_async(url: str, retry: AsyncRediscover, **kw: Any) -> aioredis.Redis:
     """The asyncio twin of :func:`master`."""
-    u = parse(url)
-    s = aiosentinel.Sentinel(list(u.sentinels), sentinel_kwargs=_sentinel_kwargs(u, kw))
-    client: aioredis.Redis = s.master_for(
-        u.service,
-        connection_pool_class=AsyncBlockingSentinelPool,
-        db=u.db,
-        username=u.username,
-        password=u.password,
-        retry=retry,
-        **kw,
-    )
-    retry.pool = client.connection_pool  # type: ignore[assignment]
+    client: aioredis.Redis = _master_for(url, aiosentinel, AsyncBlockingSentinelPool, retry, kw)
     return client
 
 
