@@ -335,9 +335,9 @@ def run_info(args: argparse.Namespace) -> int:
             while True:
                 print(json.dumps(collect(conn, warn)), flush=True)
                 time.sleep(args.interval)
-        with Live(render(collect(conn, warn)), auto_refresh=False) as live:
+        with Live(render(collect(conn, warn), fit_height=True), auto_refresh=False) as live:
             while True:
                 time.sleep(args.interval)
-                live.update(render(collect(conn, warn)), refresh=True)
+                live.update(render(collect(conn, warn), fit_height=True), refresh=True)
     except KeyboardInterrupt:
         return 0

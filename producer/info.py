@@ -241,30 +241,35 @@ _NAMES = ("worker", "queue", "model")
 _MIN_NAME = 8
 
 
-def render(doc: dict[str, Any]) -> RenderableType:
+def render(doc: dict[str, Any], fit_height: bool = False) -> RenderableType:
     """:func:`collect`'s document as two tables (queues, workers), for a rich Console.
 
     A worker's queues show in order, by level (:func:`levels_text`); the column of paused
     rows shows only where some worker serves several queues (only there can rows pause).
     The tables fit the console's width: names and levels give way first, cut with an
     ellipsis (never folded mid-word into another row), and below :data:`NARROW` columns
-    the details columns are left out.
+    the details columns are left out. With ``fit_height`` (``--watch``, where what is
+    taller than the terminal is cut off) the queues table gives way too: the queues with
+    jobs queued or running, or a worker, come first, and a last row counts the rest,
+    so the workers table stays on the screen however many queues Redis holds.
     """
-    return _InfoView(doc)
+    return _InfoView(doc, fit_height)
 
 
 class _InfoView:
     """Builds the tables when printed, when the width they must fit is known."""
 
-    def __init__(self, doc: dict[str, Any]) -> None:
-        self.doc = doc
+    def __init__(self, doc: dict[str, Any], fit_height: bool) -> None:
+        self.doc, self.fit_height = doc, fit_height
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        width = options.max_width
-        yield Group(_queues_table(self.doc, width), _workers_table(self.doc, width))
+        width, most = options.max_width, None
+        if self.fit_height:  # each table: its rows, and 5 lines of title, header and rules
+            most = max(1, options.size.height - (len(self.doc["workers"]) + 5) - 5 - 1)
+        yield Group(_queues_table(self.doc, width, most), _workers_table(self.doc, width))
 
 
-def _queues_table(doc: dict[str, Any], width: int) -> Table:
+def _queues_table(doc: dict[str, Any], width: int, most: int | None = None) -> Table:
     qt = Table(title="queues", title_justify="left", expand=False)
     serving: dict[str, int] = {}
     for w in doc["workers"]:
@@ -275,6 +280,10 @@ def _queues_table(doc: dict[str, Any], width: int) -> Table:
         [name, *(str(c[k]) for k in counts), str(serving.get(name, 0))]
         for name, c in doc["queues"].items()
     ]
+    if most is not None and len(rows) > most:  # busy ones first, in their order
+        rows.sort(key=lambda r: r[1] == r[2] == r[-1] == "0")  # stable: busy, then idle
+        rows = rows[: max(0, most - 1)]
+        rows.append([f"... {len(doc['queues']) - len(rows)} more", *[""] * len(counts), ""])
     cols = ("queue", *counts, "workers")
     natural = [max([len(col), *(cell_len(r[i]) for r in rows)]) for i, col in enumerate(cols)]
     room = width - 1 - sum(n + 3 for n in natural[1:]) - 3

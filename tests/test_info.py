@@ -307,3 +307,22 @@ def test_a_worker_whose_jobs_ended_reads_idle_everywhere(redis_server, start_wor
     out = mlxq("info", "--json", url=redis_server.url)
     (mine,) = [e for e in json.loads(out.stdout)["workers"] if e["name"] == w.name]
     assert (mine["state"], mine["running"]) == ("idle", 0)
+
+
+def test_watch_keeps_the_workers_on_screen_however_many_queues_redis_holds():
+    counts = dict(queued=0, started=0, finished=3, failed=0, canceled=0)
+    queues = {f"old-{i:03d}": dict(counts) for i in range(120)}
+    queues["old-117"] = {**counts, "queued": 5}  # busy: shown first
+    doc = {"queues": {**queues, "default": dict(counts)}, "workers": [_worker("w-live")]}
+    out = io.StringIO()
+    Console(width=200, height=40, file=out).print(render(doc, fit_height=True))
+    lines = out.getvalue().splitlines()
+    assert len(lines) <= 40
+    assert _cells(out.getvalue(), "w-live")[0] == "w-live"
+    firsts = [c[0] for c in (_cells(line, "") for line in lines if line.startswith("│"))]
+    assert firsts[:2] == ["old-117", "default"]  # the busy queue and the served one first
+    (more,) = [line for line in lines if "more" in line]
+    shown = sum(1 for line in lines if " old-" in line)
+    assert f"... {121 - shown - 1} more" in more  # less the old ones and default
+    # Printed once (no --watch), every queue is listed.
+    assert sum(" old-" in line for line in _text(doc).splitlines()) == 120
