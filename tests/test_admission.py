@@ -245,12 +245,37 @@ def test_window_closes_early_when_a_batch_is_full():
     assert w.should_close(10.0, 4)
 
 
-def test_later_arrivals_do_not_extend_the_window():
+def test_a_fixed_window_is_not_extended_by_later_arrivals():
     w = Window(window_s=0.02, max_batch=4)
     w.open(10.0)
     w.open(10.015)
+    w.arrived(10.019)
     assert w.opened_at == 10.0
     assert w.should_close(10.02, 1)
+
+
+def test_a_burst_still_coming_in_keeps_the_window_open_up_to_its_longest():
+    w = Window(window_s=0.02, max_batch=64, longest_s=0.06)
+    w.open(10.0)
+    assert w.should_close(10.02, 1)  # a lone job waits window_s, no longer
+    for i in range(1, 30):  # one arrival a millisecond past the deadline
+        w.arrived(10.0 + i / 1000)
+    assert not w.should_close(10.029, 30)
+    assert w.remaining(10.029) == pytest.approx(0.005)  # the quiet gap, a quarter window
+    assert w.should_close(10.034, 30)
+    w.close()
+    w.open(20.0)  # a trickle that never pauses: closed at longest_s all the same
+    for i in range(1, 100):
+        w.arrived(20.0 + i / 1000)
+    assert not w.should_close(20.059, 40) and w.should_close(20.06, 40)
+    assert w.should_close(20.0, 64)  # a full batch closes it at once
+
+
+def test_the_longest_window_is_never_shorter_than_the_window():
+    assert Window(window_s=0.5, max_batch=4, longest_s=0.06).longest_s == 0.5
+    assert Window(window_s=0, max_batch=4, longest_s=0.06).longest_s == 0.0
+    with pytest.raises(ValueError, match="longest_s=-1"):
+        Window(window_s=0.02, max_batch=4, longest_s=-1)
 
 
 def test_closed_or_zero_window_holds_nothing_back():
@@ -283,14 +308,26 @@ def test_window_names_the_bad_field(kwargs, field):
 times = st.floats(-1e6, 1e6, allow_nan=False)
 
 
-@given(st.floats(0, 10), st.integers(1, 64), times, times, st.integers(0, 128))
+@given(
+    st.floats(0, 10),
+    st.floats(0, 20),
+    st.integers(1, 64),
+    times,
+    st.lists(st.floats(0, 30), max_size=5),
+    times,
+    st.integers(0, 128),
+)
 def test_window_remaining_stays_in_range_and_agrees_with_should_close(
-    window_s, max_batch, opened, now, count
+    window_s, longest_s, max_batch, opened, arrivals, now, count
 ):
-    w = Window(window_s=window_s, max_batch=max_batch)
+    w = Window(window_s=window_s, max_batch=max_batch, longest_s=longest_s)
     w.open(opened)
+    for a in arrivals:
+        w.arrived(opened + a)
     left = w.remaining(now)
-    assert 0.0 <= left <= window_s
+    assert 0.0 <= left <= max(window_s, longest_s)
     assert w.should_close(now, count) == (count >= max_batch or left == 0.0)
-    if now >= opened + window_s:
+    if now >= opened + max(window_s, longest_s):
         assert w.should_close(now, count)
+    if opened <= now < opened + window_s and count < max_batch:  # not closed before window_s
+        assert not w.should_close(now, count)

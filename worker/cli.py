@@ -149,6 +149,15 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
     )
     ENV.add(
         p,
+        "--window-max-ms",
+        type=float,
+        default=c.DEFAULT_WINDOW_MAX_MS,
+        help="while jobs keep arriving (gaps under a quarter of --window-ms), keep the "
+        "window open up to this long, so a burst sent one request at a time shares one "
+        "prefill",
+    )
+    ENV.add(
+        p,
         "--max-batch",
         type=int,
         default=c.DEFAULT_MAX_BATCH,
@@ -288,6 +297,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         max_pauses=args.max_pauses,
         paused_kv_bytes=args.paused_kv_bytes,
         window_ms=args.window_ms,
+        window_max_ms=args.window_max_ms,
         max_batch=args.max_batch,
         name=args.name,
         grace_s=args.grace_s,

@@ -15,6 +15,7 @@ from mlxq.producer.validate import integer_in, number_in
 #: 20 ms is short beside a single decode step of any real model, yet long enough that a
 #: burst of submits shares one prefill pass.
 DEFAULT_WINDOW_MS = 20.0
+DEFAULT_WINDOW_MAX_MS = 60.0
 #: mlx-lm's own default; tokens/s keeps rising past it on a GPU (64 is a good choice
 #: there), while on a CPU larger batches mostly add latency.
 DEFAULT_MAX_BATCH = 32
@@ -76,6 +77,8 @@ class WorkerConfig:
             ``queue``. After construction ``queue`` is the first queue named.
         window_ms: How long an idle worker waits after a first job for others to share
             its prefill batch.
+        window_max_ms: While jobs keep arriving (gaps under a quarter of ``window_ms``),
+            the window stays open up to this long (``mlxq.batching.window.Window``).
         max_batch: Most jobs decoding at once.
         name: Worker name; None picks ``host.pid.random``.
         grace_s: On SIGTERM, how long in-flight jobs may run before they are requeued.
@@ -117,6 +120,7 @@ class WorkerConfig:
     redis_url: str = keys.DEFAULT_REDIS_URL
     queue: str = "default"
     window_ms: float = DEFAULT_WINDOW_MS
+    window_max_ms: float = DEFAULT_WINDOW_MAX_MS
     max_batch: int = DEFAULT_MAX_BATCH
     name: str | None = None
     grace_s: float = DEFAULT_GRACE_S
@@ -159,6 +163,7 @@ class WorkerConfig:
         if self.paused_kv_bytes is not None:
             integer_in("paused_kv_bytes", self.paused_kv_bytes, 0, 1 << 50)
         number_in("window_ms", self.window_ms, 0, 60_000)
+        number_in("window_max_ms", self.window_max_ms, 0, 60_000)
         number_in("grace_s", self.grace_s, 0, 7 * 24 * 3600)
         number_in("stream_interval_ms", self.stream_interval_ms, 0, 10_000)
         integer_in("max_batch", self.max_batch, 1, 4096)

@@ -1,7 +1,8 @@
 """Where the decode loop's jobs come in: the prefetcher's ready jobs, taken into the held set.
 
 Busy, the loop takes what is ready each turn without waiting. Idle, it waits for a first
-job and then holds a window open (``window_ms``) so a burst shares one prefill. It tells
+job and then holds a window open (``window_ms``, longer while a burst is still coming in,
+up to ``window_max_ms``) so a burst shares one prefill. It tells
 the prefetcher how many jobs to have ready, and gives back the jobs not running yet when
 it stops or rq's suspend key is set.
 """
@@ -55,7 +56,9 @@ class Intake:
     ) -> None:
         self.config, self.engine, self.bridge, self.held = config, engine, bridge, held
         self.sink, self.prefetch, self.ends, self._stop = sink, prefetch, ends, stop
-        self.window = Window(config.window_ms / 1000, config.max_batch)
+        self.window = Window(
+            config.window_ms / 1000, config.max_batch, longest_s=config.window_max_ms / 1000
+        )
         self.window_sizes: dict[int, int] = {}  # jobs an idle window took: windows
 
     def want(self, closed: bool) -> None:
@@ -83,8 +86,10 @@ class Intake:
         # Idle, and a first job came: hold a window open so a burst shares one prefill.
         self.window.open(time.monotonic())
         while True:
-            self.add(self.prefetch.take(), steps)
+            came = self.add(self.prefetch.take(), steps)
             now = time.monotonic()
+            if came:
+                self.window.arrived(now)
             if (
                 self.window.should_close(now, len(self.held.jobs(Status.BUFFERED)))
                 or self._stop.is_set()
@@ -95,8 +100,9 @@ class Intake:
         took = len(self.held.jobs(Status.BUFFERED))
         self.window_sizes[took] = self.window_sizes.get(took, 0) + 1
 
-    def add(self, jobs: list[Job], steps: int) -> None:
-        """Hold these jobs, arrived at step ``steps``: waiting for a row."""
+    def add(self, jobs: list[Job], steps: int) -> int:
+        """Hold these jobs, arrived at step ``steps``: waiting for a row. Returns how
+        many came."""
         for job in jobs:
             if job.epoch != self.bridge.epoch:
                 continue  # claimed under a lease this worker lost: not its own
@@ -109,6 +115,7 @@ class Intake:
             job.arrived_step = steps
             self.held.add(job)
             log_queued(job.queue, job)
+        return len(jobs)
 
     def hand_back(self, why: str, steps: int) -> None:
         """Give every job not running yet back to the queue's front, the prefetched ones

@@ -113,12 +113,13 @@ class Worker:
             self.loop.metrics.close()
             raise
         log.info(
-            "worker %s serving %s with %s (max_batch=%d, window=%.0f ms)",
+            "worker %s serving %s with %s (max_batch=%d, window=%.0f-%.0f ms)",
             self.name,
             _levels_text(self.config),
             self.config.model,
             self.config.max_batch,
             self.config.window_ms,
+            max(self.config.window_ms, self.config.window_max_ms),
         )
         try:
             self.loop.run()
@@ -175,6 +176,7 @@ class Worker:
             model=self.config.model,
             max_batch=self.config.max_batch,
             window_ms=self.config.window_ms,
+            window_max_ms=self.config.window_max_ms,
             decode_steps=c.decode_steps,
             vectorized_steps=c.vectorized_steps,
             sampler_calls=c.sampler_calls,

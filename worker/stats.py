@@ -103,6 +103,8 @@ class WorkerStats:
     #: The tool-call format the model's answers use (``mlxq.producer.tools.FORMATS``),
     #: which a gateway reads ``tool_choice="auto"`` answers in; "": none mlxq reads.
     tool_format: str = ""
+    #: How long an idle window may stay open while a burst is still coming in.
+    window_max_ms: float = 0.0
 
     @property
     def state(self) -> str:
