@@ -20,7 +20,9 @@ caller's next attempt.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -217,15 +219,52 @@ class AsyncRediscover(AsyncRetry):
         return await super().call_with_retry(do, failed, is_retryable, with_failure_count)
 
 
+#: How often a client asks the sentinels whether its master moved, at most.
+CHECK_S = 1.0
+
+
 class BlockingSentinelPool(sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):
     """Sentinel's pool that waits for a free connection instead of raising, as mlxq's
-    plain pools do."""
+    plain pools do, and asks the sentinels for the master again once a second it is used.
+
+    Why: redis-py asks only when it opens a connection, and a kept connection to a master
+    the sentinels replaced while it stayed up (a stall, a partition) would take writes
+    that are lost when it is made a replica. A new address drops the idle connections, and
+    busy ones are dropped when released (redis-py's pool owns only the master's). A
+    sentinel that does not answer leaves the master known as it was.
+    """
+
+    _checked_at = -CHECK_S
+
+    def get_connection(self, *args: Any, **kw: Any) -> Any:
+        now = time.monotonic()
+        if now - self._checked_at >= CHECK_S:
+            self._checked_at = now
+            with contextlib.suppress(redis.RedisError):  # none answered: as it was
+                self.get_master_address()
+        return super().get_connection(*args, **kw)
 
 
 class AsyncBlockingSentinelPool(
     aiosentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool
 ):
-    """The asyncio twin of :class:`BlockingSentinelPool`."""
+    """The asyncio twin of :class:`BlockingSentinelPool`. redis-py's asyncio pool takes
+    back a released connection whatever server it talks to, so one still open to another
+    address than the master's is closed here before use (it reconnects to the master)."""
+
+    _checked_at = -CHECK_S
+
+    async def get_connection(self, *args: Any, **kw: Any) -> Any:
+        now = time.monotonic()
+        if now - self._checked_at >= CHECK_S:
+            self._checked_at = now
+            with contextlib.suppress(redis.RedisError):
+                await self.get_master_address()
+        conn = await super().get_connection(*args, **kw)
+        known = self.master_address
+        if known is not None and conn.is_connected and (conn.host, conn.port) != known:
+            await conn.disconnect()
+        return conn
 
 
 def _sentinel_kwargs(u: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 from opshelp import mlxq as mlxq_cli
+from sentinel import SERVICE
 
 from mlxq.producer import AsyncClient, Client
 from mlxq.producer.connection import Outage, connect, connect_async, redact, retry_forever
@@ -103,6 +104,37 @@ def test_clients_follow_a_demoted_master_to_the_new_one(sentinel_redis):
     retry_forever(lambda: client.set("k", "after"), outage)
     assert sentinel_redis.client(new).get("k") == b"after"
     assert sentinel_redis.client(new).get("ak") == b"after"
+
+
+def test_clients_leave_a_master_replaced_while_it_stayed_up(sentinel_redis):
+    """The sentinels name another master while the old one stays up and writable (a stall
+    or a partition they saw, which its clients did not): no error tells a client, yet
+    within a second both clients ask the sentinels again and write to the new master, not
+    over their kept connections to the old one (whose writes would be lost when it is made
+    a replica)."""
+    old = sentinel_redis.master_port()
+    new = next(p for p in sentinel_redis.data_ports if p != old)
+    client = connect(sentinel_redis.url)
+
+    async def run() -> None:
+        aclient = connect_async(sentinel_redis.url)
+        await aclient.set("ak", "before")
+        client.set("k", "before")
+        sentinel_redis.client(new).replicaof("NO", "ONE")
+        for port in sentinel_redis.sentinel_ports:  # they now watch the new one alone
+            s = sentinel_redis.client(port)
+            s.sentinel_remove(SERVICE)
+            s.sentinel_monitor(SERVICE, "127.0.0.1", new, 2)
+        await asyncio.sleep(1.2)  # past the clients' one-second look at the sentinels
+        await aclient.set("ak", "after")
+        client.set("k", "after")
+        await aclient.aclose()
+
+    asyncio.run(run())
+    assert sentinel_redis.client(old).info("replication")["role"] == "master"  # still up
+    for key in ("k", "ak"):
+        assert sentinel_redis.client(new).get(key) == b"after", key
+        assert sentinel_redis.client(old).get(key) == b"before", key
 
 
 def _cluster_node(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
