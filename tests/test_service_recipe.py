@@ -220,6 +220,7 @@ SAMPLES = {
     "max_pauses": ("5", "max_pauses", 5),
     "paused_kv_bytes": ("1000", "paused_kv_bytes", 1000),
     "window_ms": ("7.5", "window_ms", 7.5),
+    "window_max_ms": ("40", "window_max_ms", 40.0),
     "max_batch": ("12", "max_batch", 12),
     "admit_hold_steps": ("0", "admit_hold_steps", 0),
     "prefill_buckets": ("on", "prefill_buckets", True),
