@@ -20,7 +20,6 @@ caller's next attempt.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 import urllib.parse
@@ -219,8 +218,32 @@ class AsyncRediscover(AsyncRetry):
         return await super().call_with_retry(do, failed, is_retryable, with_failure_count)
 
 
-#: How often a client asks the sentinels whether its master moved, at most.
+#: How often a client asks the sentinels whether its master moved, at most; while none
+#: answers, half as often each time, down to once a minute (a sentinel that drops packets
+#: costs its socket timeout, and the master may be serving well all the same).
 CHECK_S = 1.0
+MAX_CHECK_S = 60.0
+
+
+class Recheck:
+    """When a pool asks the sentinels for its master next."""
+
+    def __init__(self) -> None:
+        self.every, self.next_at = CHECK_S, time.monotonic() + CHECK_S
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self.next_at:
+            return False
+        self.next_at = now + self.every  # one asker at a time, whatever it meets
+        return True
+
+    def answered(self) -> None:
+        self.every = CHECK_S
+
+    def unanswered(self) -> None:
+        self.every = min(MAX_CHECK_S, self.every * 2)
+        self.next_at = time.monotonic() + self.every
 
 
 class BlockingSentinelPool(sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):
@@ -234,14 +257,17 @@ class BlockingSentinelPool(sentinel.SentinelConnectionPool, redis.BlockingConnec
     sentinel that does not answer leaves the master known as it was.
     """
 
-    _checked_at = -CHECK_S
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.recheck = Recheck()
 
     def get_connection(self, *args: Any, **kw: Any) -> Any:
-        now = time.monotonic()
-        if now - self._checked_at >= CHECK_S:
-            self._checked_at = now
-            with contextlib.suppress(redis.RedisError):  # none answered: as it was
+        if self.recheck.due():
+            try:
                 self.get_master_address()
+                self.recheck.answered()
+            except redis.RedisError:  # none answered: the master known stays
+                self.recheck.unanswered()
         return super().get_connection(*args, **kw)
 
 
@@ -252,14 +278,17 @@ class AsyncBlockingSentinelPool(
     back a released connection whatever server it talks to, so one still open to another
     address than the master's is closed here before use (it reconnects to the master)."""
 
-    _checked_at = -CHECK_S
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.recheck = Recheck()
 
     async def get_connection(self, *args: Any, **kw: Any) -> Any:
-        now = time.monotonic()
-        if now - self._checked_at >= CHECK_S:
-            self._checked_at = now
-            with contextlib.suppress(redis.RedisError):
+        if self.recheck.due():
+            try:
                 await self.get_master_address()
+                self.recheck.answered()
+            except redis.RedisError:
+                self.recheck.unanswered()
         conn = await super().get_connection(*args, **kw)
         known = self.master_address
         if known is not None and conn.is_connected and (conn.host, conn.port) != known:

@@ -21,7 +21,7 @@ from sentinel import SERVICE
 
 from mlxq.producer import AsyncClient, Client
 from mlxq.producer.connection import Outage, connect, connect_async, redact, retry_forever
-from mlxq.producer.sentinel import RedisURLError, SentinelURL, parse
+from mlxq.producer.sentinel import Recheck, RedisURLError, SentinelURL, parse
 
 
 def test_the_url_form_is_read_in_full():
@@ -135,6 +135,22 @@ def test_clients_leave_a_master_replaced_while_it_stayed_up(sentinel_redis):
     for key in ("k", "ak"):
         assert sentinel_redis.client(new).get(key) == b"after", key
         assert sentinel_redis.client(old).get(key) == b"before", key
+
+
+def test_unanswered_sentinels_are_asked_less_and_less_often():
+    """A client asks once a second; while no sentinel answers (each costs its timeout on
+    the caller's command), half as often each time, down to once a minute."""
+    r = Recheck()
+    assert not r.due()  # a new pool has just asked, opening its first connection
+    r.next_at = 0
+    assert r.due() and not r.due()  # one asker at a time
+    waits = []
+    for _ in range(8):
+        r.unanswered()
+        waits.append(r.every)
+    assert waits == [2, 4, 8, 16, 32, 60, 60, 60]
+    r.answered()
+    assert r.every == 1
 
 
 def _cluster_node(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
