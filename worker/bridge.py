@@ -34,17 +34,15 @@ from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 from mlxq.producer import keys, scripts
 from mlxq.producer.codec import MsgpackSerializer
 from mlxq.producer.connection import connect
-from mlxq.producer.errors import SetupError
-from mlxq.worker import rq_compat
+from mlxq.worker import naming, rq_compat
 from mlxq.worker import scripts as lua
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.logs import THROTTLE
+from mlxq.worker.naming import LEASE_MS
 from mlxq.worker.scripts import Claimed, Now, WorkerKeys, text
 
 log = logging.getLogger("mlxq.worker")
 
-#: Lease length; a worker not heard from for this long may be reaped.
-LEASE_MS = 5000
 #: How long rq's StartedJobRegistry entries and executions of running jobs last between
 #: refreshes (``refresh`` runs far more often): rq's maintenance never calls a job of a
 #: live mlxq worker abandoned.
@@ -63,26 +61,6 @@ HAND_GRACE_MS = 500
 #: (BLMPOP takes several, but its pop and the push to the WIP list are not one step, so a
 #: worker killed between them would lose the job).
 POLL_S = 0.05
-
-
-def process_gone(value: str) -> bool:
-    """True when a lease value ``host:pid:nonce`` names a process of this host that no
-    longer exists."""
-    host, _, rest = value.partition(":")
-    return host == socket.gethostname() and _pid_gone(rest.partition(":")[0])
-
-
-def _pid_gone(pid: str) -> bool:
-    """True when ``pid`` (text) names no process of this host."""
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 class Bridge:
@@ -139,83 +117,23 @@ class Bridge:
         """
         for s in lua.SCRIPTS.values():
             self.redis.script_load(s.source)
-        seen, stale = self._check_name()
+        seen, stale = naming.check_name(self.redis, self.name, self.k, self.rq_worker.key)
         try:
-            self._take_name(seen)
+            back = naming.take_name(self.redis, self.name, self.k, self.token, seen)
+            if back:
+                log.warning(
+                    "worker %s: a previous worker of this name left %d entr%s in its WIP "
+                    "list: given back to the queue",
+                    self.name,
+                    back,
+                    "y" if back == 1 else "ies",
+                )
             self._register_rq(stale)
             self.set_state("idle")
             self.beat()
         except BaseException:
             self.undo_register()
             raise
-
-    def _check_name(self) -> tuple[str, bool]:
-        """Whether this worker's name is free to take: the lease value found ('' for none)
-        and whether rq holds a stale registration of the name (to replace).
-
-        Raises:
-            SetupError: a live worker holds the lease, or a process that may still run
-                holds rq's registration of the name.
-        """
-        held = self._lease_value()
-        if held is not None and not process_gone(held):
-            raise SetupError(
-                f"worker name {self.name!r} is taken: a live worker holds its lease "
-                f"({self.k.alive} = {held!r}); stop it or choose another --name (the lease "
-                f"of a worker that died lapses within {LEASE_MS // 1000} s)"
-            )
-        key = self.rq_worker.key
-        kind = text(self.redis.type(key))
-        if kind == "none":
-            return held or "", False
-        death, host, pid = (
-            [
-                text(v) if v is not None else ""
-                for v in self.redis.hmget(key, "death", "hostname", "pid")
-            ]
-            if kind == "hash"
-            else ["", "", ""]
-        )
-        if death or not host or not pid.isdigit():
-            return held or "", not death  # ended, or no registration rq could have made
-        if host == socket.gethostname() and (pid == str(os.getpid()) or _pid_gone(pid)):
-            return held or "", True
-        where = "this host" if host == socket.gethostname() else f"host {host!r}"
-        ttl = self.redis.ttl(key)
-        raise SetupError(
-            f"worker name {self.name!r} is taken: process {pid} of {where} registered it "
-            f"in rq ({key}) and may still run (stopped or frozen); stop it or choose another "
-            f"--name" + (f" (that registration expires in {ttl} s)" if ttl > 0 else "")
-        )
-
-    def _lease_value(self) -> str | None:
-        """This worker's lease as Redis holds it; None when none, or of another type."""
-        try:
-            v = self.redis.get(self.k.alive)
-        except redis.ResponseError as e:
-            if not rq_compat.wrong_type(e):
-                raise
-            return None
-        return None if v is None else text(v)
-
-    def _take_name(self, seen: str) -> None:
-        """Take the lease; what a dead predecessor of this name held goes back first."""
-        back = scripts.call(
-            self.redis, lua.rejoin(self.k, self.token, Now.read(), LEASE_MS, starting=seen)
-        )
-        if back < 0:
-            raise SetupError(
-                f"worker name {self.name!r} is taken: another worker took its lease "
-                f"({self.k.alive}) while this one started; choose another --name"
-            )
-        if back:
-            log.warning(
-                "worker %s: a previous worker of this name left %d entr%s in its WIP list: "
-                "given back to the queue",
-                self.name,
-                back,
-                "y" if back == 1 else "ies",
-            )
 
     def _register_rq(self, stale: bool) -> None:
         rq_compat.register(self.redis, self.rq_worker, self.queues, stale)

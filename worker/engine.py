@@ -20,18 +20,18 @@ from mlx_lm.generate import StopSequences
 from mlxq.batching.logprobs import TokenLogprob
 from mlxq.batching.rows import RowSampler
 from mlxq.batching.stops import StopMatcher
-from mlxq.producer.errors import PayloadError
 from mlxq.producer.params import GenerationRequest
-from mlxq.worker.chat import render, tool_format
+from mlxq.worker.chat import tool_format
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.decode_batch import StepCounters
 from mlxq.worker.detok import Detokenizer, special_ids
+from mlxq.worker.encode import context_length, encode, vocab_size
 from mlxq.worker.generator import Generator
 from mlxq.worker.grammars import Grammars
 from mlxq.worker.jobs import Job
 from mlxq.worker.logprob_entries import LogprobEntries
 from mlxq.worker.prompt_cache import PromptCache, default_budget
-from mlxq.worker.rows import Delta, Row, RowStatus
+from mlxq.worker.rows import Delta, Row, RowStatus, fit_paused_kv, kv_nbytes
 
 log = logging.getLogger("mlxq.worker")
 
@@ -99,8 +99,8 @@ class Engine:
         if prefill_buckets is None:
             prefill_buckets = _on_cuda()
         self.prefill_buckets = prefill_buckets
-        self.max_context = _context_length(model)
-        self.vocab_size = _vocab_size(model, tokenizer)
+        self.max_context = context_length(model)
+        self.vocab_size = vocab_size(model, tokenizer)
         self.tool_format = tool_format(tokenizer)
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._special = special_ids(tokenizer)
@@ -179,43 +179,16 @@ class Engine:
         ]
 
     def encode(self, req: GenerationRequest) -> list[int]:
-        """Tokenize a request's prompt (or render its chat through the template), and
-        check what else of it depends on the model.
-
-        Thread-safe: the worker tokenizes ahead of need, off the decode thread.
-
-        Raises:
-            PayloadError: the prompt is empty once tokenized, or with ``max_tokens``
-                longer than the model's context; a token id past the vocabulary.
-        """
-        tok = self.tokenizer
-        if req.messages is not None:
-            text = render(tok, req)
-            ids = tok.encode(text, add_special_tokens=False)
-        else:
-            # A prompt that already starts with the BOS text gets no second BOS, as
-            # mlx_lm.generate does it.
-            prompt, bos = req.prompt or "", tok.bos_token
-            ids = tok.encode(prompt, add_special_tokens=not bos or not prompt.startswith(bos))
-        if not ids:
-            raise PayloadError("prompt: tokenizes to nothing")
-        if self.max_context and len(ids) + req.max_tokens > self.max_context:
-            raise PayloadError(
-                f"prompt: {len(ids)} tokens + max_tokens={req.max_tokens} exceed "
-                f"the model's context of {self.max_context}"
-            )
-        lp = req.logits
-        if lp is not None:
-            for name, t in [("logit_bias", t) for t in lp.logit_bias or ()] + [
-                ("stop_token_ids", t) for t in lp.stop_token_ids
-            ]:
-                if t >= self.vocab_size:
-                    raise PayloadError(
-                        f"{name}: token id {t} is past the vocabulary ({self.vocab_size} tokens)"
-                    )
-        if req.constraint is not None:  # compiled (once per constraint) ahead of need
-            self.grammars.compile(req.constraint)
-        return list(ids)
+        """The request's prompt as token ids, checked against the model
+        (:func:`mlxq.worker.encode.encode`); thread-safe: the worker tokenizes ahead of
+        need, off the decode thread."""
+        return encode(
+            self.tokenizer,
+            req,
+            max_context=self.max_context,
+            vocab_size=self.vocab_size,
+            grammars=self.grammars,
+        )
 
     def add(self, jobs: Sequence[Job]) -> None:
         """Queue jobs' prompts for the next prefill, all in one insert (one row per
@@ -275,7 +248,7 @@ class Engine:
             if not keep_kv:
                 row.kv = None
         self.counters.preemptions += len(rows)
-        self._fit_paused()
+        fit_paused_kv(self._rows.values(), self.paused_kv_budget)
         return len(rows)
 
     @property
@@ -286,19 +259,7 @@ class Engine:
     @property
     def paused_kv_bytes(self) -> int:
         """Bytes of KV state the paused rows keep."""
-        return sum(_kv_nbytes(r.kv) for r in self._rows.values() if r.status is RowStatus.PAUSED)
-
-    def _fit_paused(self) -> None:
-        """Drop the KV state of the rows paused longest ago until the rest fit the
-        budget: they resume by prefilling what they had (counted)."""
-        kept = [r for r in self._rows.values() if r.status is RowStatus.PAUSED and r.kv]
-        total = sum(_kv_nbytes(r.kv) for r in kept)
-        for row in kept:  # the dict keeps insertion order: the oldest pauses first
-            if total <= self.paused_kv_budget:
-                return
-            total -= _kv_nbytes(row.kv)
-            row.kv = None
-            log.info("job %s: its paused row's KV dropped (over the budget)", row.job.id)
+        return sum(kv_nbytes(r.kv) for r in self._rows.values() if r.status is RowStatus.PAUSED)
 
     def resume(self, jobs: Iterable[Job]) -> None:
         """Put paused rows back into the batch. A row with its KV feeds its last token
@@ -431,23 +392,8 @@ class Engine:
         row.kv = row.kv_tokens = None
 
 
-def _kv_nbytes(kv: list[Any] | None) -> int:
-    return sum(int(c.nbytes) for c in kv) if kv else 0
-
-
 def _on_cuda() -> bool:
     import mlx.core as mx
 
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)
-
-
-def _context_length(model: Any) -> int | None:
-    args = getattr(model, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
-def _vocab_size(model: Any, tokenizer: Any) -> int:
-    n = getattr(getattr(model, "args", None), "vocab_size", None)
-    return int(n) if isinstance(n, int) and n > 0 else len(tokenizer.vocab)

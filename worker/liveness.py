@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from mlxq.producer.connection import TRANSIENT
-from mlxq.worker.bridge import Bridge, process_gone
+from mlxq.worker.bridge import Bridge
 from mlxq.worker.held import Held
 from mlxq.worker.logs import THROTTLE
 from mlxq.worker.messages import CancelRequested, Inbox, Reaped, Suspended
+from mlxq.worker.naming import process_gone
 from mlxq.worker.resync import MasterWatch, after_failover
 from mlxq.worker.stats import WorkerStats
 from mlxq.worker.threads import Helper

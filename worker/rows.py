@@ -15,6 +15,8 @@ log-prob entries and, on its last token, the reason it ended. The job
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -24,6 +26,8 @@ from mlxq.batching.stops import StopMatcher
 if TYPE_CHECKING:
     from mlxq.batching.grammar import RowMatcher
     from mlxq.worker.jobs import Job
+
+log = logging.getLogger("mlxq.worker")
 
 
 class RowStatus(str, Enum):
@@ -79,3 +83,22 @@ class Delta:
     logprobs: list[dict[str, Any]]
     finish_reason: str | None
     generated: int
+
+
+def kv_nbytes(kv: list[Any] | None) -> int:
+    """Bytes of a row's KV state (one cache per layer; None: none)."""
+    return sum(int(c.nbytes) for c in kv) if kv else 0
+
+
+def fit_paused_kv(rows: Iterable[Row], budget: int) -> None:
+    """Drop paused rows' KV state, the first of ``rows`` first (the engine gives them in
+    the order they joined the batch), until the rest fit ``budget`` bytes: those resume by
+    prefilling what they had (counted)."""
+    kept = [r for r in rows if r.status is RowStatus.PAUSED and r.kv]
+    total = sum(kv_nbytes(r.kv) for r in kept)
+    for row in kept:
+        if total <= budget:
+            return
+        total -= kv_nbytes(row.kv)
+        row.kv = None
+        log.info("job %s: its paused row's KV dropped (over the budget)", row.job.id)
