@@ -25,7 +25,7 @@ class Window:
     gateway's burst of chat requests reaches Redis over tens of milliseconds) would
     otherwise split at the deadline into two prefill passes, and every row of the
     second waits out the first. So past ``window_s`` the window closes once no job has
-    arrived for ``quiet_s`` (a quarter of ``window_s``), and at ``longest_s`` from the
+    arrived for ``quiet_s`` (half of ``window_s``), and at ``longest_s`` from the
     first arrival in any case, so a steady trickle cannot hold the first job back for
     long. ``max_batch`` pending jobs close it at once: a full batch gains nothing from
     waiting.
@@ -68,7 +68,7 @@ class Window:
     @property
     def quiet_s(self) -> float:
         """The gap without arrivals that ends a burst (past ``window_s``)."""
-        return self.window_s / 4
+        return self.window_s / 2
 
     @property
     def is_open(self) -> bool:

@@ -152,7 +152,7 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         "--window-max-ms",
         type=float,
         default=c.DEFAULT_WINDOW_MAX_MS,
-        help="while jobs keep arriving (gaps under a quarter of --window-ms), keep the "
+        help="while jobs keep arriving (gaps under half of --window-ms), keep the "
         "window open up to this long, so a burst sent one request at a time shares one "
         "prefill",
     )

@@ -77,7 +77,7 @@ class WorkerConfig:
             ``queue``. After construction ``queue`` is the first queue named.
         window_ms: How long an idle worker waits after a first job for others to share
             its prefill batch.
-        window_max_ms: While jobs keep arriving (gaps under a quarter of ``window_ms``),
+        window_max_ms: While jobs keep arriving (gaps under half of ``window_ms``),
             the window stays open up to this long (``mlxq.batching.window.Window``).
         max_batch: Most jobs decoding at once.
         name: Worker name; None picks ``host.pid.random``.

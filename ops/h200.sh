@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The H200 figures the open issues wait on, one part per device call (each under the
+# 600 s a call may run), on the 0.5B-shaped random model built once per warm machine.
+#
+#   device call A: carry [".gpu/1"]  bash .gpu/1/stash.sh      (../shared/gpu/README.md)
+#   device call B: carry [".gpu/2"]  source .gpu/2/setup.sh && bash ops/h200.sh priority
+#   then, on the still-warm machine: ... && bash ops/h200.sh serve
+#                                     ... && bash ops/h200.sh structured
+#
+# prepare.sh needs the gateway's and the openai client's wheels for `serve` (the list in
+# ../shared/gpu/README.md) and llguidance for `structured`. Logs and JSON go to $OUT.
+# SHAPE=tiny with small sizes (SMALL=1) rehearses every part on a CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?"which part: priority, serve or structured"}
+OUT=${OUT:-$(mktemp -d)}
+SHAPE=${SHAPE:-0.5b}
+MODEL=${MODEL:-/tmp/mlxq-h200-$SHAPE}
+PY=${PYTHON:-python}
+small=${SMALL:-0}
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/h200.log"; }
+
+{
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) part $part shape $SHAPE"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
+} | tee -a "$OUT/h200.log"
+
+if [ ! -f "$MODEL/config.json" ]; then
+    log "building the $SHAPE model into $MODEL"
+    # As bench_serve builds it (so it reuses it): end of sequence unreachable, so every
+    # unconstrained job runs its max_tokens.
+    "$PY" -c "import sys; from mlxq.worker.random_model import build_random_model as b; \
+b(sys.argv[1], shape=sys.argv[2], dtype=sys.argv[3], eos_reachable=False)" \
+        "$MODEL" "$SHAPE" "$([ "$SHAPE" = tiny ] && echo float32 || echo bfloat16)"
+fi
+shape_args=()
+[ "$SHAPE" = tiny ] || shape_args=(--shape "$SHAPE")
+
+case "$part" in
+priority)
+    # Issue 22: interactive chat jobs (32 tokens, one every 0.5 s) on the top level beside
+    # a 10,000-job sweep of 64-token jobs; then weights 3:1 over 10 s windows.
+    jobs=10000 duration=40
+    [ "$small" = 1 ] && jobs=300 duration=12
+    log "bench_priority mix,weights: sweep $jobs jobs"
+    "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts mix,weights \
+        --sweep-jobs "$jobs" --duration "$duration" --json "$OUT/priority.json" 2>&1 |
+        tee "$OUT/priority.log"
+    ;;
+serve)
+    # Issue 22: the openai client through `mlxq serve` against direct and submit_many at
+    # 64, 256 and 1,024 streams, and the first token of an idle worker's burst of 64; the
+    # fixed idle window against the one a burst keeps open (--window-max-ms).
+    streams=64,256,1024 tokens=128
+    [ "$small" = 1 ] && streams=64 tokens=16
+    log "bench_serve $streams streams"
+    "$PY" ops/bench_serve.py "${shape_args[@]}" --model-dir "$MODEL" --batch 64 \
+        --tokens "$tokens" --streams "$streams" --burst 64 \
+        --variant="--window-max-ms 0" --variant="" --json "$OUT/serve.json" 2>&1 |
+        tee "$OUT/serve.log"
+    ;;
+structured)
+    # Issue 25: one shared JSON schema on every row, on a quarter of the rows, and a
+    # 2,000-question choice sweep, each against the same batch unconstrained.
+    answers=2000 sweep=2000
+    [ "$small" = 1 ] && answers=64 sweep=128
+    log "bench_structured: $answers answers, $sweep choice questions"
+    "$PY" ops/bench_structured.py --model "$MODEL" --batch 64 --tokens 64 \
+        --answers "$answers" --sweep "$sweep" 2>&1 | tee "$OUT/structured.log"
+    ;;
+*)
+    echo "unknown part $part: priority, serve or structured" >&2
+    exit 2
+    ;;
+esac
+log "done: $part"
