@@ -216,6 +216,7 @@ class AsyncSubscriber:
         self._wake = _wake_channel()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._nudged = False  # a wake is on its way to the reader
         self._outage = Outage(log, "stream subscriber")
 
     async def subscribe(self, channel: str) -> AsyncSubscription:
@@ -254,6 +255,12 @@ class AsyncSubscriber:
                 task.exception()  # retrieved, so asyncio does not log it as lost
 
     async def _nudge(self) -> None:
+        # One wake at a time: the reader applies every change made before it wakes, so a
+        # burst of subscriptions (a gateway's burst of streams) costs one PUBLISH, not one
+        # each. The reader clears the flag as it takes the changes.
+        if self._nudged:
+            return
+        self._nudged = True
         with contextlib.suppress(*TRANSIENT):
             await self.redis.publish(self._wake, b"")
 
@@ -265,6 +272,7 @@ class AsyncSubscriber:
                 await pubsub.subscribe(self._wake)
                 self._changed = set(self._subs)
                 while not self._closed:
+                    self._nudged = False
                     await self._apply(pubsub)
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None:
