@@ -76,6 +76,7 @@ class Subscriber:
         self._wake = _wake_channel()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._nudged = False  # a wake is on its way to the reader
         self._outage = Outage(log, "stream subscriber")
 
     def subscribe(self, channel: str) -> Subscription:
@@ -108,12 +109,19 @@ class Subscriber:
 
     def close(self) -> None:
         self._stop.set()
-        self._nudge()
+        self._nudge(always=True)
         if self._thread is not None:
             self._thread.join(2)
 
-    def _nudge(self) -> None:
+    def _nudge(self, always: bool = False) -> None:
         # The reader blocks reading its connection; a message on its own channel wakes it.
+        # One wake at a time: the reader takes every change made before it wakes (and
+        # clears the flag as it takes them), so many threads subscribing at once cost one
+        # PUBLISH.
+        with self._lock:
+            if self._nudged and not always:
+                return
+            self._nudged = True
         with contextlib.suppress(*TRANSIENT):
             self.redis.publish(self._wake, b"")
 
@@ -158,6 +166,7 @@ class Subscriber:
     def _apply(self, pubsub: Any) -> None:
         with self._lock:
             changed, self._changed = self._changed, set()
+            self._nudged = False
             want = {c for c in changed if c in self._subs}
             drop = {c for c in changed if c not in self._subs and c in self._active}
         if want:

@@ -152,3 +152,35 @@ def test_an_idle_client_lets_a_redis_outage_pass_quietly(
         client.close()
         loop.run_until_complete(aclient.aclose())
         loop.close()
+
+
+def test_a_burst_of_async_subscriptions_wakes_the_reader_once(tmp_path):
+    """A gateway's burst of streams subscribes all at once: one PUBLISH wakes the shared
+    reader, which takes every subscription it finds (each then gets its messages)."""
+    from conftest import RedisServer
+
+    server = RedisServer(tmp_path)  # its own: no other client publishes there
+    try:
+        r = redis.Redis(port=server.port)
+
+        async def run() -> tuple[int, list[bytes | None]]:
+            client = AsyncClient(server.url, queue="q")
+            try:
+                channels = [f"burst-{i}" for i in range(50)]
+                r.config_resetstat()
+                subs = await asyncio.gather(*(client.subscriber.subscribe(c) for c in channels))
+                wakes = int(r.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+                for c in channels:
+                    r.publish(c, c.encode())
+                got = [await s.get(10) for s in subs]
+                for s in subs:
+                    await s.close()
+                return wakes, got
+            finally:
+                await client.aclose()
+
+        wakes, got = asyncio.run(run())
+        assert got == [f"burst-{i}".encode() for i in range(50)]
+        assert wakes == 1
+    finally:
+        server.stop()
