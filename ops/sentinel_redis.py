@@ -54,7 +54,8 @@ class SentinelRedis:
     replica of the new primary.
     """
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, down_after_ms: int = DOWN_AFTER_MS) -> None:
+        self.down_after_ms = down_after_ms
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError(
@@ -102,7 +103,7 @@ class SentinelRedis:
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\ndir {d}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
-            f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+            f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
             f"sentinel parallel-syncs {SERVICE} 2\n"
         )
@@ -225,6 +226,15 @@ class SentinelRedis:
 
         _wait(done, "failover", timeout)
         return self.master_port()
+
+    def failovers(self) -> int:
+        """Failovers so far: the ``+switch-master`` lines of the sentinel that logged the
+        most (each logs every failover it learns of)."""
+        counts = []
+        for port in self.sentinel_ports:
+            log = self.workdir / f"sentinel{port}" / "log"
+            counts.append(log.read_text(errors="replace").count("+switch-master"))
+        return max(counts, default=0)
 
     def restart(self, port: int) -> None:
         """Bring the node that listened on ``port`` back, as a replica of the primary."""
