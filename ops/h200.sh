@@ -2,17 +2,33 @@
 # The H200 figures the open issues wait on, one part per device call (each under the
 # 600 s a call may run), on the 0.5B-shaped random model built once per warm machine.
 #
-#   device call A: carry [".gpu/1"]  bash .gpu/1/stash.sh      (../shared/gpu/README.md)
+#   here, once:     bash ops/h200.sh prepare   (fills .gpu/1 and .gpu/2, ../shared/gpu)
+#   device call A: carry [".gpu/1"]  bash .gpu/1/stash.sh
 #   device call B: carry [".gpu/2"]  source .gpu/2/setup.sh && bash ops/h200.sh priority
 #   then, on the still-warm machine: ... && bash ops/h200.sh serve
 #                                     ... && bash ops/h200.sh structured
 #
-# prepare.sh needs the gateway's and the openai client's wheels for `serve` (the list in
-# ../shared/gpu/README.md) and llguidance for `structured`. Logs and JSON go to $OUT.
-# SHAPE=tiny with small sizes (SMALL=1) rehearses every part on a CPU.
+# Logs and JSON go to $OUT. SHAPE=tiny with small sizes (SMALL=1) rehearses every part on
+# a CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"which part: priority, serve or structured"}
+part=${1:?"which part: prepare, priority, serve or structured"}
+
+if [ "$part" = prepare ]; then
+    # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
+    # mlxq's own: llguidance 1.9.1 is built for manylinux_2_31, a tag prepare.sh does not
+    # ask for, so it and what the worker and the benchmarks import come here.
+    bash ../shared/gpu/prepare.sh fastapi starlette pydantic pydantic-core uvicorn \
+        annotated-types typing-inspection opentelemetry-api typing_extensions openai httpx2 \
+        httpcore2 anyio h11 idna truststore jiter distro sniffio
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any -d .gpu/2/whl llguidance==1.9.1 tqdm \
+        rich markdown-it-py mdurl pygments prometheus-client jsonschema \
+        jsonschema-specifications referencing rpds-py attrs
+    du -sh .gpu/1 .gpu/2  # each must stay under the 64 MiB a device call carries
+    exit 0
+fi
 OUT=${OUT:-$(mktemp -d)}
 SHAPE=${SHAPE:-0.5b}
 MODEL=${MODEL:-/tmp/mlxq-h200-$SHAPE}
