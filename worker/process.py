@@ -118,8 +118,8 @@ class Worker:
             _levels_text(self.config),
             self.config.model,
             self.config.max_batch,
-            self.config.window_ms,
-            max(self.config.window_ms, self.config.window_max_ms),
+            self.loop.intake.window.window_s * 1000,
+            (self.loop.intake.window.longest_s or 0.0) * 1000,
         )
         try:
             self.loop.run()
