@@ -84,7 +84,14 @@ SUBMIT_CHUNK = 500
 READ_CHUNK = 1000
 RECORD_TTL = 6 * 3600  # results outlive the run, whatever its size
 WAIT_S = 3600.0  # for any one job: longer is broken, not slow
-COUNTERS = ("preemptions", "resumes", "resume_tokens_recomputed", "tokens_generated")
+COUNTERS = (
+    "preemptions",
+    "resumes",
+    "resume_tokens_recomputed",
+    "tokens_generated",
+    "decode_steps",
+    "prefill_shapes",
+)
 
 
 # -- what was measured --------------------------------------------------------------------
@@ -127,6 +134,7 @@ class Phase:
     followed: int = 0  # sweep jobs streamed by a listener
     problems: list[str] = field(default_factory=list)
     differs_from_alone: int | None = None  # sweep texts unlike the sweep alone's
+    busy_ms: dict[str, float] = field(default_factory=dict)  # decode thread, by stage
 
     def first_s(self) -> list[float]:
         return sorted(p.first_s for p in self.probes if p.first_s is not None)
@@ -407,8 +415,16 @@ class Bench:
         ph.problems += [f"interactive job: {p.problem}" for p in ph.probes if p.problem]
         now = self.w.info()
         ph.counters = {k: int(now.get(k, 0)) - int(before.get(k, 0)) for k in COUNTERS}
+        # Prefill passes: on a GPU each costs about a decode step of the whole batch.
+        ph.counters["prefill_passes"] = _passes(now) - _passes(before)
+        was = before.get("busy_ms") or {}
+        ph.busy_ms = {k: v - was.get(k, 0.0) for k, v in (now.get("busy_ms") or {}).items()}
         for p in ph.problems[:5]:
             print(f"  ERROR ({ph.name}): {p}", flush=True)
+
+
+def _passes(info: dict[str, Any]) -> int:
+    return sum(int(v) for v in (info.get("prefill_batch_sizes") or {}).values())
 
 
 def say(ph: Phase) -> None:
@@ -647,6 +663,16 @@ def table(phases: dict[str, Phase], args: argparse.Namespace) -> str:
             for k in ("preemptions", "resumes", "resume_tokens_recomputed")
         ),
     )
+
+    def steps(p: Phase) -> str:
+        c = p.counters
+        per = c.get("tokens_generated", 0) / max(1, c.get("decode_steps", 0))
+        return (
+            f"{c.get('decode_steps', 0):,} / {c.get('prefill_passes', 0):,}, "
+            f"{c.get('prefill_shapes', 0):,} ({per:.1f})"
+        )
+
+    row("decode steps / prefill passes, new shapes (rows a step)", steps)
     row(
         "streams followed: errors",
         lambda p: f"{len(p.probes) + p.followed}: {len(p.problems)}",
@@ -655,6 +681,26 @@ def table(phases: dict[str, Phase], args: argparse.Namespace) -> str:
         "sweep texts unlike alone's",
         lambda p: "-" if p.differs_from_alone is None else f"{p.differs_from_alone:,}",
     )
+    return "\n".join(rows)
+
+
+def stage_table(phases: dict[str, Phase]) -> str:
+    """The decode thread's milliseconds per decode step, by stage, for each phase: which
+    stage a mix grows (worker/stages.py)."""
+    cols = [p for p in ("idle", "alone", "both", "fifo") if p in phases]
+    stages = sorted({k for c in cols for k in phases[c].busy_ms}, key=lambda k: (k != "decode", k))
+    rows = [
+        "| decode thread, ms a decode step | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for stage in [*stages, "all"]:
+        cells = []
+        for c in cols:
+            ph = phases[c]
+            steps = max(1, ph.counters.get("decode_steps", 0))
+            ms = sum(ph.busy_ms.values()) if stage == "all" else ph.busy_ms.get(stage, 0.0)
+            cells.append(f"{ms / steps:.2f}")
+        rows.append(f"| {stage} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -794,6 +840,7 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
             )
     if phases:
         print("\n" + table(phases, args))
+        print("\n" + stage_table(phases))
     print()
     met = targets(phases, windows, int(wa) / int(wb))
     for what, figure, ok in met:
@@ -817,6 +864,7 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
                     "followed": ph.followed,
                     "problems": ph.problems,
                     "differs_from_alone": ph.differs_from_alone,
+                    "busy_ms": ph.busy_ms,
                 }
                 for n, ph in phases.items()
             },

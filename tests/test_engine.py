@@ -75,6 +75,10 @@ def test_rows_keep_their_own_params_through_remove_then_extend(loaded):
     assert got["late"] == _solo(loaded, "l", late_seeded)
     c = engine.counters
     assert c.vectorized_steps == c.decode_steps == c.sampler_calls > 0
+    # Where the time went: rows prefilled, joined, decoded, cut out.
+    stages = c.stages.snapshot()
+    for stage in ("decode", "prefill", "first_token", "rows_join", "rows_leave", "detokenize"):
+        assert stages.get(stage, 0) > 0, stage
 
 
 def test_rows_finishing_at_different_steps_stay_aligned(loaded):

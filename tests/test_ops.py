@@ -407,6 +407,7 @@ def test_metrics_endpoint(shared):
         "mlxq_constrained_rows",
         "mlxq_constraint_compiles",
         "mlxq_mask_ms",
+        "mlxq_loop_seconds",
         "mlxq_jobs",
         "mlxq_batch_size",
     ):
@@ -418,6 +419,9 @@ def test_metrics_endpoint(shared):
         "mlxq_inter_token_latency_seconds",
     ):
         assert m[name].type == "histogram"
+    # The decode thread's time by stage: the jobs above were prefilled and decoded.
+    for stage in ("decode", "prefill", "first_token", "post"):
+        assert _sample(m, "mlxq_loop_seconds_total", stage=stage) > 0, stage
         assert _sample(m, f"{name}_count") >= 4
     steps = _sample(m, "mlxq_decode_steps_total")
     assert steps > 0 and _sample(m, "mlxq_vectorized_steps_total") == steps

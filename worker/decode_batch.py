@@ -23,6 +23,7 @@ from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.kv_pack import row_cache
 from mlxq.worker.prompt_cache import MIN_REUSE
+from mlxq.worker.stages import Stages
 
 
 @dataclass
@@ -54,6 +55,8 @@ class StepCounters:
     #: may cost a GPU backend a kernel build or an attention plan.
     prefill_batch_sizes: dict[int, int] = field(default_factory=dict)
     prefill_shapes: set[tuple[int, int]] = field(default_factory=set)
+    #: The decode thread's time by stage (:mod:`mlxq.worker.stages`).
+    stages: Stages = field(default_factory=Stages)
 
     def count_prefill(self, rows: int, length: int) -> None:
         """One prefill pass over ``rows`` prompts, right-padded to ``length`` tokens."""
@@ -109,9 +112,13 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
     #: nothing.
     keep_caches = False
 
-    def __init__(self, *args: Any, counters: StepCounters, **kw: Any) -> None:
+    def __init__(
+        self, *args: Any, counters: StepCounters, stage: str = "decode", **kw: Any
+    ) -> None:
         self._history: TokenHistory | None = None
-        self.counters = counters  # before mlx-lm's constructor, which samples a first step
+        # Before mlx-lm's constructor, which samples a first step: a batch of new rows
+        # counts that step as their ``first_token`` stage, the running batch as ``decode``.
+        self.counters, self._stage = counters, stage
         super().__init__(*args, **kw)
 
     def extract_cache(self, idx: int) -> list[Any]:
@@ -124,7 +131,8 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         sampler = cast(RowSampler, self.fallback_sampler)
         sampler.bind(self.uids)
         rows, before = len(self.uids), sampler.calls
-        out = self._batched_step()
+        with self.counters.stages.on(self._stage):
+            out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
         return out
 
@@ -175,11 +183,19 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         return self._history
 
     def filter(self, keep: list[int]) -> None:
+        with self.counters.stages.on("rows_leave"):
+            self._filter(keep)
+
+    def _filter(self, keep: list[int]) -> None:
         super().filter(keep)
         if self._history is not None:
             self._history = self._history.select(keep) if keep else None
 
     def extend(self, batch: Any) -> None:
+        with self.counters.stages.on("rows_join"):
+            self._extend(batch)
+
+    def _extend(self, batch: Any) -> None:
         sampler = cast(RowSampler, self.fallback_sampler)
         mine, theirs = self._history, getattr(batch, "_history", None)
         if (mine is None) != (theirs is None) and self.uids and batch.uids:

@@ -346,13 +346,19 @@ class Engine:
         """Run one scheduling step (decode, then admit prefill work). Returns what each
         row made, one delta per row that sampled a token; a row whose delta has a
         ``finish_reason`` left the batch."""
-        _, responses = self._gen.next()
+        stages = self.counters.stages
+        with stages.on("step_other"):  # mlx-lm's own bookkeeping around the passes
+            _, responses = self._gen.next()
         deltas: list[Delta] = []
-        for r in responses:
-            row = self._rows.get(r.uid)
-            if row is not None:
-                deltas.append(self._on_token(row, r.token, r.finish_reason, r.logprobs))
-        self._keep((r.all_tokens, r.prompt_cache) for r in responses if r.finish_reason is not None)
+        with stages.on("detokenize"):
+            for r in responses:
+                row = self._rows.get(r.uid)
+                if row is not None:
+                    deltas.append(self._on_token(row, r.token, r.finish_reason, r.logprobs))
+        with stages.on("prompt_cache"):
+            self._keep(
+                (r.all_tokens, r.prompt_cache) for r in responses if r.finish_reason is not None
+            )
         self.counters.tokens_generated += len(responses)
         return deltas
 

@@ -61,6 +61,10 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
         return moved
 
     def prompt(self, tokens: list[list[int]]) -> None:
+        with self.counters.stages.on("prefill"):
+            self._prompt(tokens)
+
+    def _prompt(self, tokens: list[list[int]]) -> None:
         b = self.buckets
         if not tokens or b is None or len(tokens) != len(self.uids):
             if tokens:  # mlx-lm's own pass (and its error for a mismatch)
@@ -128,6 +132,7 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
             self.stop_sequences,
             self.max_tokens,
             counters=self.counters,
+            stage="first_token",
         )
         self.uids, self.prompt_cache, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens = [], [], []
@@ -220,6 +225,10 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         """Take rows out of the batch, each decoding row with a copy of its KV state and
         the tokens that state holds (its prompt and every token it emitted); a row still
         in its prefill is taken out with nothing (it has emitted nothing yet)."""
+        with self._generation_batch.counters.stages.on("pause"):
+            return self._take_out(uids)
+
+    def _take_out(self, uids: list[int]) -> dict[int, tuple[list[Any], list[int]]]:
         gen = self._generation_batch
         where = {u: i for i, u in enumerate(gen.uids)}
         kept = {

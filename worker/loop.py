@@ -113,13 +113,19 @@ class DecodeLoop:
         self._drain()
 
     def _turn(self) -> None:
-        self._handle_inbox()
-        self.intake.take(self.steps, self.suspended)
-        self.ends.check_deadlines()
-        self._admit()
+        on = self.engine.counters.stages.on
+        with on("inbox"):
+            self._handle_inbox()
+        with on("intake"):  # with an idle worker's wait for a job
+            self.intake.take(self.steps, self.suspended)
+        with on("schedule"):
+            self.ends.check_deadlines()
+            self._admit()
         if self.engine.active:
-            self._step()
-        self.intake.want(self._stop.is_set() or self.suspended)
+            with on("post"):  # what the engine's stages leave: chunks, ends, metrics
+                self._step()
+        with on("intake"):
+            self.intake.want(self._stop.is_set() or self.suspended)
 
     # -- schedule ----------------------------------------------------------------------
 

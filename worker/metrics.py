@@ -259,6 +259,14 @@ class _StatsCollector(Collector):
             jobs.add_metric([outcome.value], s.jobs(outcome))
         yield jobs
         yield _batch_sizes(s.batch_sizes)
+        stages = CounterMetricFamily(
+            "mlxq_loop_seconds",
+            "The decode thread's time by stage, each stage's own (mlxq.worker.stages)",
+            labels=["stage"],
+        )
+        for stage, ms in s.busy_ms.items():
+            stages.add_metric([stage], ms / 1000)
+        yield stages
         yield self.itl.family()
 
 

@@ -226,6 +226,7 @@ class Worker:
             constrained_rows=c.constrained_rows,
             constraint_compiles=c.constraint_compiles,
             mask_ms=round(c.mask_ms, 3),
+            busy_ms=c.stages.snapshot(),
         )
 
 

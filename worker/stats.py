@@ -105,6 +105,12 @@ class WorkerStats:
     tool_format: str = ""
     #: How long an idle window may stay open while a burst is still coming in.
     window_max_ms: float = 0.0
+    #: The decode thread's milliseconds since the start by stage, each stage's own time
+    #: (``mlxq.worker.stages``): ``decode`` (the batch's steps), ``prefill``,
+    #: ``first_token``, ``rows_join``, ``rows_leave``, ``pause``, ``detokenize``,
+    #: ``prompt_cache``, ``step_other``, ``schedule``, ``intake`` (an idle worker's wait
+    #: with it), ``inbox`` and ``post``.
+    busy_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def state(self) -> str:
