@@ -4,10 +4,13 @@ A constrained row has a :class:`RowMatcher` (llguidance's ``LLMatcher`` for its
 constraint, compiled once per (model, constraint) by the worker and copied per row). Each
 decode step, :class:`GrammarRows` advances every constrained row's matcher by the token the
 row is being fed (the one it sampled last step) and fills the row's line of one packed
-``(B, ceil(V / 32))`` int32 bitmask (llguidance's parallel fill, off the GIL); rows without
-a constraint keep a line of all ones. :func:`apply_bitmask` then masks the whole batch's
-logits in one ``where``, before log-probs and sampling, so reported log-probs are those of
-the masked distribution and a batch with no constrained row pays nothing.
+``(C, ceil(V / 32))`` int32 bitmask, one line per constrained row (llguidance's parallel
+fill, off the GIL). :func:`apply_bitmask` unpacks those lines only, gives every other row
+a line that allows everything, and masks the whole batch's logits in one ``where``, before
+log-probs and sampling, so reported log-probs are those of the masked distribution, a
+batch with no constrained row pays nothing, and one with a few copies and unpacks their
+lines only (on this CPU, 16 constrained rows of 64 over a 151,936-token vocabulary: 28 ms a
+step against 48 ms for a line per row; a scatter into the constrained rows cost 33 ms).
 
 A row's first step after it joins the batch (after its prefill, or put back after a
 pause) is fed a token its matcher has already seen (the prompt's last, or the last it
@@ -37,13 +40,15 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_bitmask(logits: mx.array, bitmask: mx.array) -> mx.array:
+def apply_bitmask(logits: mx.array, bitmask: mx.array, lines: mx.array | None = None) -> mx.array:
     """``logits`` with every token whose bit is 0 set to -inf, in one pass.
 
     Args:
         logits: (B, V) logits of a batch.
-        bitmask: (B, ceil(V / 32)) int32; bit ``j % 32`` of word ``j // 32`` of row i
-            allows token j in row i (llguidance's layout).
+        bitmask: (C, ceil(V / 32)) int32; bit ``j % 32`` of word ``j // 32`` of line i
+            allows token j (llguidance's layout).
+        lines: (B,) each batch row's line of ``bitmask``, C for a row that nothing masks;
+            None: line i is row i's (C = B).
 
     Returns:
         (B, V) logits, the same dtype.
@@ -51,6 +56,8 @@ def apply_bitmask(logits: mx.array, bitmask: mx.array) -> mx.array:
     vocab = logits.shape[-1]
     bits = (bitmask[:, :, None] >> _SHIFTS) & 1
     allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].astype(mx.bool_)
+    if lines is not None:
+        allowed = mx.concatenate([allowed, mx.ones((1, vocab), dtype=mx.bool_)])[lines]
     return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
@@ -96,9 +103,17 @@ class GrammarRows:
     batch: int
     vocab_size: int
     _buffer: Any = field(init=False)
+    #: Each batch row's line of the bitmask (:func:`apply_bitmask`'s ``lines``); None
+    #: when every row is constrained.
+    lines: mx.array | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self._buffer = np.full((self.batch, bitmask_width(self.vocab_size)), -1, dtype=np.int32)
+        self._buffer = np.full((len(self.rows), bitmask_width(self.vocab_size)), -1, np.int32)
+        self.lines = None
+        if len(self.rows) < self.batch:
+            line = dict.fromkeys(range(self.batch), len(self.rows))
+            line.update((i, n) for n, (i, _) in enumerate(self.rows))
+            self.lines = mx.array([line[i] for i in range(self.batch)], dtype=mx.uint32)
 
     @classmethod
     def bind(cls, matchers: Sequence[RowMatcher | None], vocab_size: int) -> GrammarRows | None:
@@ -109,10 +124,13 @@ class GrammarRows:
 
     def masks(self, fed: Sequence[int]) -> mx.array:
         """Advance each constrained row by the token it is fed (``fed``, in batch order)
-        and return the batch's bitmask for the token it samples next."""
+        and return the constrained rows' bitmask for the token each samples next, one
+        line per row of :attr:`rows` (for :func:`apply_bitmask` with :attr:`lines`)."""
         for i, row in self.rows:
             row.feed(fed[i])
         fill_next_token_bitmask_par(
-            _executor(), [(row.matcher, i) for i, row in self.rows], self._buffer
+            _executor(),
+            [(row.matcher, line) for line, (_, row) in enumerate(self.rows)],
+            self._buffer,
         )
         return mx.array(self._buffer)  # a copy: the buffer is refilled next step

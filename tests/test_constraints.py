@@ -180,6 +180,18 @@ def test_the_bitmask_sets_exactly_the_disallowed_tokens_to_minus_infinity():
     assert half.dtype == mx.bfloat16 and mx.argmax(half[1]).item() == 69
 
 
+def test_a_bitmask_of_some_rows_masks_those_rows_and_leaves_the_rest_as_they_were():
+    vocab = 40
+    logits = mx.arange(4 * vocab, dtype=mx.float32).reshape(4, vocab)
+    lines = [[j < 3 for j in range(vocab)], [j == 39 for j in range(vocab)]]
+    # Rows 3 and 1 constrained (lines 0 and 1), rows 0 and 2 not (line 2: none).
+    out = apply_bitmask(logits, _pack(lines), mx.array([2, 1, 2, 0], dtype=mx.uint32))
+    for i, line in ((3, lines[0]), (1, lines[1])):
+        for j in range(vocab):
+            assert float(out[i, j]) == (float(logits[i, j]) if line[j] else -float("inf"))
+    assert mx.array_equal(out[0], logits[0]) and mx.array_equal(out[2], logits[2])
+
+
 # The engine on the tiny model.
 
 
@@ -380,8 +392,9 @@ def test_grammar_rows_advance_each_constrained_row_and_leave_the_others_open(loa
     assert grammar is not None and GrammarRows.bind([None, None], 1024) is None
 
     def ids(fed: list[int]) -> list[set[int]]:
-        words = mx.array(grammar.masks(fed)).tolist()
-        return [{j for j in range(1024) if (words[i][j // 32] >> (j % 32)) & 1} for i in range(3)]
+        masked = apply_bitmask(mx.zeros((3, 1024)), grammar.masks(fed), grammar.lines)
+        ok = mx.isfinite(masked).tolist()
+        return [{j for j in range(1024) if ok[i][j]} for i in range(3)]
 
     def allowed(fed: list[int]) -> list[set[str]]:
         return [{tok.decode([j]) for j in row} for row in ids(fed)]

@@ -154,7 +154,7 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         if rows is not None:
             logits = apply(logits, self._history_for(sampler, inputs), rows)
         if grammar is not None:
-            logits = apply_bitmask(logits, bitmask)
+            logits = apply_bitmask(logits, bitmask, grammar.lines)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = sampler(logprobs)
         pending: list[mx.array] = []
