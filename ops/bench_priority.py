@@ -465,6 +465,24 @@ async def phases_on(served: Served, args: argparse.Namespace, names: list[str]) 
         await b.aclose()
 
 
+def read_baseline(path: str) -> dict[str, Phase]:
+    """The idle and sweep-alone phases of an earlier run's ``--json`` (the same sizes), so
+    the mix beside them may run in a call of its own."""
+    doc = json.loads(Path(path).read_text())
+    out = {}
+    for name in ("idle", "alone"):
+        saved = doc["phases"].get(name)
+        if saved is None:
+            raise SystemExit(f"--baseline {path}: no {name!r} phase in it (--parts base)")
+        ph = Phase(name, counters=saved["counters"], busy_ms=saved.get("busy_ms") or {})
+        ph.probes = [Followed(first_s=s) for s in saved["first_token_s"]]
+        if saved["sweep"] is not None:
+            sw = {k: v for k, v in saved["sweep"].items() if k not in ("texts", "tok_s")}
+            ph.sweep = Sweep(**sw)
+        out[name] = ph
+    return out
+
+
 def on_worker(
     args: argparse.Namespace, url: str, work: Path, levels: list[str], names: list[str]
 ) -> list[Phase]:
@@ -757,8 +775,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--parts",
         type=lambda v: v.split(","),
         default=["mix", "weights"],
-        help="what to run, comma-separated: mix (idle, alone, both), weights, fifo "
-        "(default mix,weights)",
+        help="what to run, comma-separated: mix (idle, alone, both), base (idle, alone), "
+        "both, weights, fifo (default mix,weights); base then both --baseline splits the mix "
+        "over two runs",
     )
     ap.add_argument("--duration", type=float, default=60, help="s the weights run measures")
     ap.add_argument("--window-s", type=float, default=10, help="weights run: window length")
@@ -772,6 +791,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--logs", help="keep the workers' logs in this folder (default: not kept)")
     ap.add_argument("--redis-url", help="use this Redis (default: start a private one)")
     ap.add_argument("--json", metavar="OUT", help="write every figure here")
+    ap.add_argument(
+        "--baseline",
+        metavar="JSON",
+        help="the idle and sweep-alone phases from an earlier run's --json (--parts base)",
+    )
     args = ap.parse_args(argv)
     if args.sweep_jobs is None:
         args.sweep_jobs = 10_000 if "gpu" in device() else 2000
@@ -785,8 +809,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--duration must be > 0, --follow >= 0")
     if args.fifo:
         args.parts.append("fifo")
-    if bad := sorted(set(args.parts) - {"mix", "weights", "fifo"}):
-        ap.error(f"--parts: unknown {','.join(bad)}; choose from mix, weights, fifo")
+    if bad := sorted(set(args.parts) - {"mix", "base", "both", "weights", "fifo"}):
+        ap.error(f"--parts: unknown {','.join(bad)}; choose from mix, base, both, weights, fifo")
     return args
 
 
@@ -814,13 +838,24 @@ def model_for(args: argparse.Namespace, work: Path) -> str:
     return str(out)
 
 
+def mix_phases(args: argparse.Namespace, url: str, work: Path, tag: str) -> dict[str, Phase]:
+    """Idle, the sweep alone and the sweep beside interactive jobs, as ``--parts`` and
+    ``--baseline`` ask; each worker fresh."""
+    phases: dict[str, Phase] = {}
+    levels = [f"chat-{tag}", f"sweeps-{tag}"]
+    if args.baseline:
+        phases.update(read_baseline(args.baseline))
+        print(f"idle and sweep alone: {args.baseline} (an earlier run's --json)")
+    if "mix" in args.parts or "base" in args.parts:
+        phases.update((p.name, p) for p in on_worker(args, url, work, levels, ["idle", "alone"]))
+    if "mix" in args.parts or "both" in args.parts:
+        phases.update((p.name, p) for p in on_worker(args, url, work, levels, ["both"]))
+    return phases
+
+
 def run(args: argparse.Namespace, url: str, work: Path) -> int:
     tag = uuid.uuid4().hex[:6]
-    phases: dict[str, Phase] = {}
-    if "mix" in args.parts:
-        levels = [f"chat-{tag}", f"sweeps-{tag}"]
-        phases.update((p.name, p) for p in on_worker(args, url, work, levels, ["idle", "alone"]))
-        phases.update((p.name, p) for p in on_worker(args, url, work, levels, ["both"]))
+    phases = mix_phases(args, url, work, tag)
     windows: list[Window] = []
     wa, wb = args.weights.split(":")
     if "weights" in args.parts:
@@ -833,6 +868,8 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
     if "fifo" in args.parts:
         (phases["fifo"],) = on_worker(args, url, work, [f"fifo-{tag}"], ["fifo"])
     alone = phases["alone"].sweep if "alone" in phases else None
+    if alone is not None and not alone.texts:
+        alone = None  # read from a baseline: its texts were not kept
     for ph in phases.values():
         if ph.sweep is not None and alone is not None and ph.name != "alone":
             ph.differs_from_alone = sum(

@@ -4,8 +4,9 @@
 #
 #   here, once:     bash ops/h200.sh prepare   (fills .gpu/1 and .gpu/2, ../shared/gpu)
 #   device call A: carry [".gpu/1"]  bash .gpu/1/stash.sh
-#   device call B: carry [".gpu/2"]  source .gpu/2/setup.sh && bash ops/h200.sh priority
-#   then, on the still-warm machine: ... && bash ops/h200.sh serve
+#   device call B: carry [".gpu/2"]  source .gpu/2/setup.sh && PARTS=base,weights bash ops/h200.sh priority
+#   then, on the still-warm machine: ... && PARTS=both bash ops/h200.sh priority
+#                                     ... && bash ops/h200.sh serve
 #                                     ... && bash ops/h200.sh structured
 #
 # Logs and JSON go to $OUT. SHAPE=tiny with small sizes (SMALL=1) rehearses every part on
@@ -58,13 +59,22 @@ priority)
     # a 10,000-job sweep of 64-token jobs; then weights 3:1 over 10 s windows.
     jobs=10000 duration=40
     [ "$small" = 1 ] && jobs=300 duration=12
-    # PARTS=mix or PARTS=weights splits it over two calls (the 10,000-job mix alone takes
-    # about eight minutes there).
+    # The 10,000-job mix takes more than a call's 600 s there: PARTS=base,weights (idle,
+    # the sweep alone, weights 3:1) in one call, then PARTS=both (the sweep beside the
+    # interactive jobs, against the first call's figures, kept on the warm machine).
     parts=${PARTS:-mix,weights}
+    base=/tmp/mlxq-h200-base-$SHAPE.json
+    extra=()
+    if [[ ",$parts," == *,both,* ]]; then
+        [ -f "$base" ] || { echo "no $base: run PARTS=base first on this machine" >&2; exit 2; }
+        extra=(--baseline "$base")
+    fi
+    name=priority-${parts//,/-}
     log "bench_priority $parts: sweep $jobs jobs"
     "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts "$parts" \
-        --sweep-jobs "$jobs" --duration "$duration" --json "$OUT/priority-${parts/,/-}.json" 2>&1 |
-        tee "$OUT/priority-${parts/,/-}.log"
+        --sweep-jobs "$jobs" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" 2>&1 |
+        tee "$OUT/$name.log"
+    if [[ ",$parts," == *,base,* ]]; then cp "$OUT/$name.json" "$base"; fi
     ;;
 serve)
     # Issue 22: the openai client through `mlxq serve` against direct and submit_many at
