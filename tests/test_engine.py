@@ -8,6 +8,8 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 
 mlx_lm = pytest.importorskip("mlx_lm")
 
+from kvcheck import padding_agrees  # noqa: E402
+
 from mlxq.worker.engine import Engine  # noqa: E402
 from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
 from mlxq.worker.rows import RowStatus  # noqa: E402
@@ -42,6 +44,7 @@ def _run(
     steps = 0
     while engine.active:
         apply_deltas(engine.step())
+        padding_agrees(engine)
         steps += 1
         if remove_after and steps == remove_after[0]:
             engine.remove([records[j] for j in remove_after[1]])

@@ -10,6 +10,8 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 
 mlx_lm = pytest.importorskip("mlx_lm")
 
+from kvcheck import padding_agrees  # noqa: E402
+
 from mlxq.worker.engine import Engine  # noqa: E402
 from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
 
@@ -49,6 +51,7 @@ def _run(loaded, reqs, pause_at=None, resume_at=None, keep_kv=True, paused=(), c
         assert engine.pause(held, keep_kv=keep_kv) > 0
     while engine.active or steps < (resume_at or 0):
         apply_deltas(engine.step())
+        padding_agrees(engine)
         steps += 1
         if steps == pause_at:
             assert engine.pause(held, keep_kv=keep_kv) == sum(j.request.n for j in held)

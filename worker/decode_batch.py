@@ -21,7 +21,7 @@ from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import apply
 from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
 from mlxq.batching.rows import RowSampler
-from mlxq.worker.kv_pack import row_cache
+from mlxq.worker.kv_pack import filter_rows, row_cache
 from mlxq.worker.prompt_cache import MIN_REUSE
 from mlxq.worker.stages import Stages
 
@@ -187,7 +187,18 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             self._filter(keep)
 
     def _filter(self, keep: list[int]) -> None:
-        super().filter(keep)
+        # mlx-lm's, but each layer's cache is filtered by filter_rows (its padding known
+        # from the tokens each row holds, not read from the device once a layer).
+        held = [len(self.tokens[i]) for i in keep]
+        caches, self.prompt_cache = self.prompt_cache, []
+        try:
+            super().filter(keep)  # every per-row list (on no cache)
+        finally:
+            self.prompt_cache = caches
+        if keep:
+            filter_rows(caches, keep, held)
+        else:
+            caches.clear()
         if self._history is not None:
             self._history = self._history.select(keep) if keep else None
 

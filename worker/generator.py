@@ -33,6 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxq.batching.prefill import prefill_shape
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.decode_batch import BoundGenerationBatch, StepCounters
+from mlxq.worker.kv_pack import row_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +233,10 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         gen = self._generation_batch
         where = {u: i for i, u in enumerate(gen.uids)}
         kept = {
-            u: ([c.extract(where[u]) for c in gen.prompt_cache], list(gen.tokens[where[u]]))
+            u: (
+                [row_copy(c, where[u], len(gen.tokens[where[u]])) for c in gen.prompt_cache],
+                list(gen.tokens[where[u]]),
+            )
             for u in uids
             if u in where
         }

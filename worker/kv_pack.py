@@ -91,6 +91,52 @@ def row_cache(cache: Any, idx: int, n: int) -> Any:
     return RowView(cache.keys, cache.values, idx, cache._idx - n, cache._idx)
 
 
+def _host_padded(cache: Any, held: Sequence[int]) -> bool:
+    """Whether a layer's rows' left padding follows from the tokens each holds (a
+    :class:`BatchKVCache` whose rows hold ``held`` tokens, each ending at its ``_idx``)."""
+    return (
+        type(cache) is BatchKVCache
+        and cache.keys is not None
+        and bool(held)
+        and all(0 < n <= cache._idx for n in held)
+    )
+
+
+def row_copy(cache: Any, idx: int, n: int) -> Any:
+    """Row ``idx`` of a batch's layer, which holds ``n`` tokens of it, copied out as a plain
+    cache (a paused row's KV, kept while the batch goes on). As mlx-lm's ``extract``, but
+    the row's padding comes from ``n``: no read from the device, which would wait for the
+    step in flight once a layer."""
+    if not _host_padded(cache, [n]):
+        return cache.extract(idx)
+    out = KVCache()
+    start = cache._idx - n
+    out.keys = mx.contiguous(cache.keys[idx : idx + 1, :, start : cache._idx])
+    out.values = mx.contiguous(cache.values[idx : idx + 1, :, start : cache._idx])
+    out.offset = n
+    return out
+
+
+def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None:
+    """Keep rows ``keep`` of every layer (mlx-lm's ``BatchKVCache.filter``), row
+    ``keep[i]`` holding ``held[i]`` tokens. The padding every kept row has on its left is
+    cut off as mlx-lm cuts it, but known from ``held`` (the longest row's tokens end at
+    ``_idx``), where mlx-lm reads it from the device once a layer, each read waiting for
+    the step in flight: a batch whose rows end one by one paid that at every end."""
+    index = mx.array(keep)
+    for c in caches:
+        if not _host_padded(c, held):
+            c.filter(keep)
+            continue
+        cut = c._idx - max(held)
+        c.keys, c.values = c.keys[index], c.values[index]
+        c.offset, c.left_padding = c.offset[index], c.left_padding[index]
+        if cut > 0:
+            c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
+            c._idx -= cut
+            c.left_padding = c.left_padding - cut
+
+
 def packed_rows(caches: Sequence[list[Any]]) -> list[mx.array | None]:
     """Each row's caches packed as :func:`packed` packs them (None: they cannot be);
     rows that finished together in one batch (views of the same arrays), together."""

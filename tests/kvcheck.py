@@ -1,0 +1,18 @@
+"""A check the engine tests run after each step: every batch layer's left padding is what
+the host derives from the tokens each row holds (``mlxq.worker.kv_pack.filter_rows`` and
+``row_copy`` rely on it instead of reading the device)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import BatchKVCache
+
+
+def padding_agrees(engine: Any) -> None:
+    gen = engine._gen._generation_batch
+    want = [len(t) for t in gen.tokens]
+    for layer, c in enumerate(gen.prompt_cache):
+        if type(c) is BatchKVCache and c.keys is not None and want:
+            got = [c._idx - p for p in c.left_padding.tolist()]
+            assert got == want, f"layer {layer}: rows hold {got} tokens, the host says {want}"
