@@ -64,14 +64,21 @@ class Gather:
         at_least("hold_steps", self.hold_steps, 0)
 
     def ready(
-        self, step: int, free: int, waiting: int, steps_left: Callable[[], Sequence[int]]
+        self,
+        step: int,
+        free: int,
+        waiting: int,
+        steps_left: Callable[[], Sequence[int]],
+        hold_steps: int | None = None,
     ) -> bool:
-        """Whether to admit the waiting jobs at ``step`` (a decode-step counter)."""
+        """Whether to admit the waiting jobs at ``step`` (a decode-step counter);
+        ``hold_steps`` for this decision instead of the rule's own (a sweep's level)."""
+        hold = self.hold_steps if hold_steps is None else hold_steps
         n = min(free, waiting)
-        if n > 0 and self.hold_steps > 0 and waiting > free:
+        if n > 0 and hold > 0 and waiting > free:
             if self.since is None:
                 self.since = step
-            budget = self.hold_steps - (step - self.since)
+            budget = hold - (step - self.since)
             soon = min(steps_left(), default=budget + 1)
             if 0 < soon <= budget:
                 self.held_steps += 1

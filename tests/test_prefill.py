@@ -48,6 +48,15 @@ def test_the_hold_is_bounded_from_the_first_step_put_off():
     assert not g.ready(9, 4, 100, left(1))  # a new hold starts afresh
 
 
+def test_a_hold_given_for_one_decision_replaces_the_rules_own():
+    g = Gather(hold_steps=4)
+    assert g.ready(0, 1, 100, left(9, 30))  # ends past the rule's 4 steps: admit
+    assert not g.ready(1, 1, 100, left(8, 29), hold_steps=16)  # a sweep's level: wait
+    assert g.ready(2, 1, 100, left(7, 28), hold_steps=0)  # off for this decision
+    assert not g.ready(3, 1, 100, left(6, 27), hold_steps=16)
+    assert g.ready(20, 1, 100, left(1), hold_steps=16)  # 16 steps since the first put-off
+
+
 def test_steps_left_is_asked_only_when_there_is_something_to_decide():
     def never() -> list[int]:
         raise AssertionError("asked")
@@ -133,6 +142,8 @@ def test_prefill_shape_names_a_bad_field(args, field):
 
 mlx_lm = pytest.importorskip("mlx_lm")
 
+from kvcheck import padding_agrees  # noqa: E402
+
 from mlxq.worker.engine import Engine  # noqa: E402
 from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
 
@@ -162,6 +173,7 @@ def _run(engine: Engine, reqs: list[GenerationRequest], cohorts: list[int]) -> l
             engine.add(todo[:k])
             todo = todo[k:]
         apply_deltas(engine.step())
+        padding_agrees(engine)
     return [j.token_ids for j in jobs]
 
 

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxq.batching.prefill import prefill_shape
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.decode_batch import BoundGenerationBatch, StepCounters
-from mlxq.worker.kv_pack import row_copy
+from mlxq.worker.kv_pack import filter_rows, row_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +94,17 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
                 c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
         x = mx.array([t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - real))
         for start in range(0, width, self.prefill_step_size):
+            if start:  # a long prompt: one chunk's activations at a time
+                mx.eval([c.state for c in self.prompt_cache])
             self.model(x[:, start : start + self.prefill_step_size], cache=self.prompt_cache)
-            mx.eval([c.state for c in self.prompt_cache])
-        for c in self.prompt_cache:
-            if padded:
+        if padded:
+            for c in self.prompt_cache:
                 c.finalize()
-            if rows > real:
-                c.filter(list(range(real)))
-        mx.eval([c.state for c in self.prompt_cache])
+        if rows > real:  # the padding rows out, the padding known from the host
+            filter_rows(self.prompt_cache, list(range(real)), [len(t) for t in self.tokens])
+        # Queued, not waited for: the host goes on to the rows' first-token pass while the
+        # device runs this one (and the decode step before it).
+        mx.async_eval([c.state for c in self.prompt_cache])
         if rows * width > self.prefill_step_size:
             mx.clear_cache()  # a large pass: its buffers go back, as mlx-lm's do
 

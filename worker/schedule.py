@@ -9,8 +9,9 @@ params: :func:`mlxq.batching.admission.admit`). A waiting job of a strictly high
 that finds no free row pauses the youngest row of the lowest level running
 (:func:`mlxq.batching.levels.to_pause`), unless enough rows end for sure within
 :data:`PAUSE_WAIT_STEPS`. A busy batch of one level lets its freed rows gather for one
-prefill (:class:`mlxq.batching.prefill.Gather`); a paused job, or a job of a higher level
-than the lowest running, never waits for that.
+prefill (:class:`mlxq.batching.prefill.Gather`), longer for the lowest of several levels
+(:data:`LOWEST_HOLD_FACTOR`); a paused job, or a job of a higher level than the lowest
+running, never waits for that.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from mlxq.worker.jobs import Job, Status
 
 log = logging.getLogger("mlxq.worker")
 
+#: Where every waiting job is of the lowest of several levels (a sweep beside interactive
+#: traffic), its freed rows may gather this many times ``--admit-hold-steps`` (16 steps by
+#: default) for one prefill. Each interactive job leaves sweep rows out of step with the
+#: rest (the row it took, the row paused for it), and on a GPU each refill of a few rows
+#: costs two passes of their own (prompt, first token), about two decode steps of the
+#: whole batch: gathered four steps at most, a sweep's rows split into cohorts ending every
+#: few steps, each refilled apart. The gather rule's own bound (rows waiting x steps <=
+#: rows running) still holds, and no job of a higher level ever waits for this.
+LOWEST_HOLD_FACTOR = 4
 #: A waiting job of a higher level pauses no row while as many rows end for sure within
 #: this many decode steps (their ``max_tokens`` run out): a sweep of short jobs frees a row
 #: about every step, and a pause and its resume cost far more than a step or two of wait.
@@ -71,7 +81,7 @@ class Scheduler:
         if free <= 0:
             return [], []
         if not self._urgent(paused, buffered) and not self.gather.ready(
-            step, free, len(buffered), self.engine.steps_left
+            step, free, len(buffered), self.engine.steps_left, self._hold(buffered)
         ):
             return [], []  # a busy batch, letting jobs gather for one prefill
         running = Counter(j.key for j in self.held.jobs(Status.RUNNING))
@@ -98,6 +108,14 @@ class Scheduler:
             self._charge(job, job.request.max_tokens * job.request.n)
             (resume if job.status is Status.PAUSED else chosen).append(job)
         return resume, chosen
+
+    def _hold(self, buffered: list[Job]) -> int | None:
+        """The gather's hold for these waiting jobs: longer when all are of the lowest
+        of several levels (:data:`LOWEST_HOLD_FACTOR`), else the rule's own (None)."""
+        lowest = self._levels - 1
+        if lowest > 0 and buffered and all(self.level(j) == lowest for j in buffered):
+            return LOWEST_HOLD_FACTOR * self.config.admit_hold_steps
+        return None
 
     def left(self, job: Job) -> None:
         """A job left this worker: its queue is charged what it made, not its budget."""
