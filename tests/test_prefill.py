@@ -278,3 +278,20 @@ def test_the_worker_options_reach_its_config():
     chosen = config_from(p.parse_args([*base, *on]))
     assert (chosen.admit_hold_steps, chosen.prefill_buckets) == (0, True)
     assert config_from(p.parse_args([*base, "--prefill-buckets", "off"])).prefill_buckets is False
+
+
+def test_a_sweeps_waiting_rows_gather_longer_and_no_higher_levels_do():
+    from mlxq.worker.config import WorkerConfig
+    from mlxq.worker.schedule import LOWEST_HOLD_FACTOR, Scheduler
+
+    def job(queue: str) -> Job:
+        return Job(f"{queue}-job", GenerationRequest(prompt="x"), [1], queue=queue)
+
+    levels = WorkerConfig("m", queues=("chat", "team-a,team-b", "sweeps"), admit_hold_steps=5)
+    s = Scheduler(levels, None, None, None)  # type: ignore[arg-type]  # _hold reads levels only
+    assert s._hold([job("sweeps"), job("sweeps")]) == LOWEST_HOLD_FACTOR * 5 == 20
+    assert s._hold([job("sweeps"), job("team-b")]) is None  # a middle level's job waits too
+    assert s._hold([job("chat")]) is None
+    assert s._hold([]) is None
+    one = WorkerConfig("m", queues=("a,b",), admit_hold_steps=5)  # one level: the rule's own
+    assert Scheduler(one, None, None, None)._hold([job("a")]) is None  # type: ignore[arg-type]
