@@ -197,7 +197,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="rows (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens a row (default: %(default)s)")
     ap.add_argument(
-        "--answers", type=int, default=2000, help="validity jobs (default: %(default)s)"
+        "--answers",
+        type=int,
+        default=2000,
+        help="validity jobs (default: %(default)s; 0: cost only)",
     )
     ap.add_argument(
         "--sweep", type=int, default=2000, help="choice questions (default: %(default)s)"
@@ -207,7 +210,8 @@ def main() -> None:
     path = args.model or str(build_tiny_model(tempfile.mkdtemp(prefix="mlxq-tiny-"), seed=0))
     model, tok = mlx_lm.load(path)
     engine = Engine(model, tok, max_batch=args.batch)
-    validity(engine, args.answers)
+    if args.answers > 0:
+        validity(engine, args.answers)
     cost(engine, args.batch, args.tokens, args.sweep, args.rounds)
     fill(engine, args.batch)
 

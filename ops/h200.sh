@@ -79,20 +79,24 @@ priority)
 serve)
     # Issue 22: the openai client through `mlxq serve` against direct and submit_many at
     # 64, 256 and 1,024 streams, and the first token of an idle worker's burst of 64; the
-    # fixed idle window against the one a burst keeps open (--window-max-ms).
+    # default worker (VARIANTS='--variant="--window-max-ms 0" --variant=""' compares the
+    # fixed idle window with the one a burst keeps open).
+    variants=(--variant=)
+    [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
     streams=64,256,1024 tokens=128
     [ "$small" = 1 ] && streams=64 tokens=16
     log "bench_serve $streams streams"
     "$PY" ops/bench_serve.py "${shape_args[@]}" --model-dir "$MODEL" --batch 64 \
         --tokens "$tokens" --streams "$streams" --burst 64 \
-        --variant="--window-max-ms 0" --variant="" --json "$OUT/serve.json" 2>&1 |
+        "${variants[@]}" --json "$OUT/serve.json" 2>&1 |
         tee "$OUT/serve.log"
     ;;
 structured)
     # Issue 25: one shared JSON schema on every row, on a quarter of the rows, and a
     # 2,000-question choice sweep, each against the same batch unconstrained.
-    answers=2000 sweep=2000
-    [ "$small" = 1 ] && answers=64 sweep=128
+    # ANSWERS=0: the cost ratios only (validity was 100% of 2,000 each on 2026-12-05).
+    answers=${ANSWERS:-2000} sweep=2000
+    [ "$small" = 1 ] && answers=${ANSWERS:-64} sweep=128
     log "bench_structured: $answers answers, $sweep choice questions"
     "$PY" ops/bench_structured.py --model "$MODEL" --batch 64 --tokens 64 \
         --answers "$answers" --sweep "$sweep" 2>&1 | tee "$OUT/structured.log"
