@@ -85,6 +85,21 @@ def test_a_user_lacking_commands_keys_or_channels_is_refused_at_start(
         assert not r.sismember(keys.workers_key(queue_name), w.name)
 
 
+def test_wait_is_needed_only_to_wait_for_replicas_and_info_only_to_see_failovers(
+    acl_user, start_worker, queue_name, redis_server
+):
+    # Ends that wait for replicas need WAIT: refused at start, named.
+    line = _refused(start_worker(redis_url=acl_user("-wait"), wait_replicas=1, ready=False))
+    assert line.startswith("mlxq: Redis user 'u-") and "commands WAIT" in line, line
+    # Without INFO (and without WAIT, which it does not use) it serves, and says what it lacks.
+    w = start_worker(redis_url=acl_user("-info", "-wait"))
+    assert "may not run INFO: it cannot tell when a failover" in w.output(), w.output()
+    client = Client(redis_server.url, queue=queue_name)
+    assert client.submit("Hello", max_tokens=4).result(timeout=60).finish_reason == "length"
+    client.close()
+    assert "Traceback" not in w.output()
+
+
 def test_a_user_with_what_the_refusal_suggests_serves(acl_user, start_worker, queue_name, r):
     url = acl_user()  # ~rq:* ~mlxq:* &mlxq:* +@all, as the refusal's line suggests
     assert not lacking(redis.Redis.from_url(url), "w", [queue_name])

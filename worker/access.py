@@ -88,16 +88,30 @@ class Probe:
     args: tuple[str, ...]
     keys: tuple[str, ...] = ()
     channels: tuple[str, ...] = ()
-    #: The worker serves without it, less well: said, not refused.
-    optional: bool = False
+    #: The worker serves without it, less well: what it then lacks, said at start, not
+    #: refused ("": it cannot serve without it).
+    optional: str = ""
 
 
 def _on(key: str, commands: str) -> list[Probe]:
     return [Probe(c, (c, key, *_ARGS[c]), keys=(key,)) for c in commands.split()]
 
 
-def probes(worker: str, queues: Sequence[str]) -> list[Probe]:
-    """Every command the worker ``worker`` serving ``queues`` sends, on its keys."""
+#: What a worker lacks without the client commands that wake an idle worker.
+NO_WAKE = (
+    "a worker handing this one a chat turn cannot wake it while it waits idle, so the turn "
+    "starts when its wait ends"
+)
+#: What a worker lacks without ``INFO``: it tells a new master by its ``run_id``.
+NO_INFO = (
+    "it cannot tell when a failover gives it another master, so it does not resync the "
+    "jobs it holds with the new one"
+)
+
+
+def probes(worker: str, queues: Sequence[str], wait_replicas: int = 0) -> list[Probe]:
+    """Every command the worker ``worker`` serving ``queues`` sends, on its keys (``WAIT``
+    where its ends wait for replicas)."""
     job = PROBE_ID
     wip = keys.wip_key(worker)
     found = [
@@ -147,9 +161,11 @@ def probes(worker: str, queues: Sequence[str]) -> list[Probe]:
         Probe("SCRIPT|LOAD", ("SCRIPT", "LOAD", "return 1")),
         # A worker handing a chat turn wakes an idle one with these; without them the
         # idle one finds the turn when its blocking wait ends (a second or so later).
-        Probe("CLIENT|ID", ("CLIENT", "ID"), optional=True),
-        Probe("CLIENT|UNBLOCK", ("CLIENT", "UNBLOCK", "0"), optional=True),
+        Probe("CLIENT|ID", ("CLIENT", "ID"), optional=NO_WAKE),
+        Probe("CLIENT|UNBLOCK", ("CLIENT", "UNBLOCK", "0"), optional=NO_WAKE),
+        Probe("INFO", ("INFO", "server"), optional=NO_INFO),
         Probe("PING", ("PING",)),
+        *([Probe("WAIT", ("WAIT", "0", "0"))] if wait_replicas > 0 else []),
     ]
 
 
@@ -161,8 +177,9 @@ class Lacking:
     keys: dict[str, None]
     channels: dict[str, None]
     other: dict[str, None]
-    #: Commands the worker can do without (see ``Probe.optional``): not in ``bool()``.
-    optional: dict[str, None] = field(default_factory=dict)
+    #: Commands the worker can do without, each with what it then lacks (see
+    #: ``Probe.optional``): not in ``bool()``.
+    optional: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.commands or self.keys or self.channels or self.other)
@@ -170,7 +187,7 @@ class Lacking:
     def add(self, probe: Probe, error: redis.ResponseError) -> None:
         text = str(error)
         if probe.optional:
-            self.optional[probe.name.replace("|", " ")] = None
+            self.optional[probe.name.replace("|", " ")] = probe.optional
             return
         if isinstance(error, redis.exceptions.NoPermissionError) or text.startswith("NOPERM"):
             if "keys" in text:
@@ -211,7 +228,9 @@ def user_of(connection: redis.Redis) -> str:
     return str(kw.get("username") or "default")
 
 
-def lacking(connection: redis.Redis, worker: str, queues: Sequence[str]) -> Lacking:
+def lacking(
+    connection: redis.Redis, worker: str, queues: Sequence[str], wait_replicas: int = 0
+) -> Lacking:
     """What of :func:`probes` the user may not do; nothing is run.
 
     Raises:
@@ -219,7 +238,7 @@ def lacking(connection: redis.Redis, worker: str, queues: Sequence[str]) -> Lack
             nothing is sent after it: it would run).
     """
     found = Lacking({}, {}, {}, {})
-    checks = probes(worker, queues)
+    checks = probes(worker, queues, wait_replicas)
     pool = connection.connection_pool
     conn = pool.get_connection()
     try:

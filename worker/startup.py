@@ -69,19 +69,19 @@ def check_redis(config: c.WorkerConfig) -> None:
         client.ping()
         if (refused := cluster_problem(client)) is not None:
             raise SetupError(refused)
-        missing = lacking(client, config.worker_name, config.levels.queues)
+        missing = lacking(client, config.worker_name, config.levels.queues, config.wait_replicas)
     except redis.RedisError as e:
         raise SetupError(problem(url, e)) from e
     finally:
         client.close()
     if missing:
         raise SetupError(missing.text(user_of(client)))
-    if missing.optional:
+    lacks: dict[str, list[str]] = {}
+    for command, without in missing.optional.items():
+        lacks.setdefault(without, []).append(command)
+    for without, commands in lacks.items():
         log.warning(
-            "Redis user %r may not run %s: a worker handing this one a chat turn cannot wake "
-            "it while it waits idle, so the turn starts when its wait ends",
-            user_of(client),
-            ", ".join(missing.optional),
+            "Redis user %r may not run %s: %s", user_of(client), ", ".join(commands), without
         )
 
 
