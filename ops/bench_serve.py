@@ -106,6 +106,7 @@ class Intake:
     claim_calls: int = 0
     jobs_claimed: int = 0
     admit_held_steps: int = 0
+    busy_ms: dict[str, float] = field(default_factory=dict)  # decode thread, by stage
 
     @property
     def prefill_passes(self) -> int:
@@ -166,6 +167,10 @@ class Worker:
             d("claim_calls"),
             d("jobs_claimed"),
             d("admit_held_steps"),
+            {
+                k: v - float((before.get("busy_ms") or {}).get(k, 0.0))
+                for k, v in (after.get("busy_ms") or {}).items()
+            },
         )
 
 
@@ -384,6 +389,24 @@ def _row(r: Run, q: dict[str, float]) -> str:
     return " ".join(cells) + (f"  ERRORS {r.errors}" if r.errors else "")
 
 
+#: The stages shown (worker/stages.py), the rest summed as "other".
+SHOWN_STAGES = ("decode", "prefill", "first_token", "rows_join", "rows_leave", "intake")
+
+
+def stages(best: dict[tuple[str, str, int], Run]) -> list[str]:
+    """The worker's decode thread, ms a decode step by stage, for each run through it."""
+    lines = ["decode thread, ms a decode step: " + " ".join(SHOWN_STAGES) + " other all"]
+    for _, r in sorted(best.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        i = r.intake
+        if i is None or not i.busy_ms or not i.decode_steps:
+            continue
+        shown = [i.busy_ms.get(k, 0.0) / i.decode_steps for k in SHOWN_STAGES]
+        total = sum(i.busy_ms.values()) / i.decode_steps
+        cells = " ".join(f"{v:.2f}" for v in [*shown, total - sum(shown), total])
+        lines.append(f"  {r.mode:<7} {r.variant or '(default)':<28} {r.streams:>5}  {cells}")
+    return lines
+
+
 def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[str, float]]]) -> str:
     lines = [
         f"{'mode':<7} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
@@ -401,6 +424,7 @@ def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[st
             f"{ms['serve_p50_s']:.1f} ms (max {ms['serve_max_s']:.1f}); serve - python "
             f"{ms['serve_p50_s'] - ms['python_p50_s']:+.1f} ms"
         )
+    lines += stages(best)
     lines.append(
         "steps: decode steps (r/st: tokens a step, which sets tokens/s where a step's time "
         "hardly depends on its rows, as on a GPU); bs+: decode batch sizes new to the "
