@@ -111,9 +111,10 @@ class GrammarRows:
         self._buffer = np.full((len(self.rows), bitmask_width(self.vocab_size)), -1, np.int32)
         self.lines = None
         if len(self.rows) < self.batch:
-            line = dict.fromkeys(range(self.batch), len(self.rows))
-            line.update((i, n) for n, (i, _) in enumerate(self.rows))
-            self.lines = mx.array([line[i] for i in range(self.batch)], dtype=mx.uint32)
+            line = [len(self.rows)] * self.batch  # the all-allowing line, unless constrained
+            for n, (i, _) in enumerate(self.rows):
+                line[i] = n
+            self.lines = mx.array(line, dtype=mx.uint32)
 
     @classmethod
     def bind(cls, matchers: Sequence[RowMatcher | None], vocab_size: int) -> GrammarRows | None:

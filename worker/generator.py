@@ -235,13 +235,10 @@ class Generator(BatchGenerator):  # type: ignore[misc]
     def _take_out(self, uids: list[int]) -> dict[int, tuple[list[Any], list[int]]]:
         gen = self._generation_batch
         where = {u: i for i, u in enumerate(gen.uids)}
-        kept = {
-            u: (
-                [row_copy(c, where[u], len(gen.tokens[where[u]])) for c in gen.prompt_cache],
-                list(gen.tokens[where[u]]),
-            )
-            for u in uids
-            if u in where
-        }
+        kept = {}
+        for u in uids:
+            if (i := where.get(u)) is not None:
+                held = list(gen.tokens[i])
+                kept[u] = ([row_copy(c, i, len(held)) for c in gen.prompt_cache], held)
         self.remove(uids)
         return kept

@@ -86,19 +86,17 @@ def row_cache(cache: Any, idx: int, n: int) -> Any:
     mlx-lm's ``extract`` copies each layer and reads the row's padding from the device
     once a layer, waiting for the step in flight; the host knows it from ``n``. Other
     cache types: ``extract``."""
-    if type(cache) is not BatchKVCache or cache.keys is None or not 0 < n <= cache._idx:
+    if not _host_padded(cache, n, n):
         return cache.extract(idx)
     return RowView(cache.keys, cache.values, idx, cache._idx - n, cache._idx)
 
 
-def _host_padded(cache: Any, held: Sequence[int]) -> bool:
+def _host_padded(cache: Any, fewest: int, most: int) -> bool:
     """Whether a layer's rows' left padding follows from the tokens each holds (a
-    :class:`BatchKVCache` whose rows hold ``held`` tokens, each ending at its ``_idx``)."""
+    :class:`BatchKVCache` whose rows, each ending at its ``_idx``, hold ``fewest`` to
+    ``most`` tokens)."""
     return (
-        type(cache) is BatchKVCache
-        and cache.keys is not None
-        and bool(held)
-        and all(0 < n <= cache._idx for n in held)
+        type(cache) is BatchKVCache and cache.keys is not None and 0 < fewest <= most <= cache._idx
     )
 
 
@@ -107,7 +105,7 @@ def row_copy(cache: Any, idx: int, n: int) -> Any:
     cache (a paused row's KV, kept while the batch goes on). As mlx-lm's ``extract``, but
     the row's padding comes from ``n``: no read from the device, which would wait for the
     step in flight once a layer."""
-    if not _host_padded(cache, [n]):
+    if not _host_padded(cache, n, n):
         return cache.extract(idx)
     out = KVCache()
     start = cache._idx - n
@@ -124,11 +122,12 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     ``_idx``), where mlx-lm reads it from the device once a layer, each read waiting for
     the step in flight: a batch whose rows end one by one paid that at every end."""
     index = mx.array(keep)
+    fewest, most = min(held, default=0), max(held, default=0)  # once, not a layer each
     for c in caches:
-        if not _host_padded(c, held):
+        if not _host_padded(c, fewest, most):
             c.filter(keep)
             continue
-        cut = c._idx - max(held)
+        cut = c._idx - most
         c.keys, c.values = c.keys[index], c.values[index]
         c.offset, c.left_padding = c.offset[index], c.left_padding[index]
         if cut > 0:
