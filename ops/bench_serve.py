@@ -63,7 +63,7 @@ from bench_gateway import cpu_s, environment, oai_client, raise_fd_limit, run_st
 from procs import stop
 from words import WORDS as ALL_WORDS
 
-from mlxq.producer import AsyncClient, Client
+from mlxq.producer import AsyncClient, AsyncJob, Client
 from mlxq.producer.info import collect
 from mlxq.producer.keys import RQ_JOB
 from mlxq.worker.random_model import SHAPES
@@ -183,17 +183,22 @@ def _ts(raw: bytes | None) -> float | None:
     return datetime.fromisoformat(raw.decode().replace("Z", "+00:00")).timestamp()
 
 
-def job_times(url: str, ids: Sequence[str]) -> dict[str, float]:
-    """From the jobs' rq records: how long their enqueues spread (first to last), and
-    how long they waited from enqueue to start (p50, max): how they reached the worker."""
+def records(url: str, ids: Sequence[str]) -> list[tuple[float | None, float | None]]:
+    """Each job's enqueued_at and started_at (unix seconds) from its rq record."""
     r = redis.Redis.from_url(url)
     try:
         with r.pipeline(transaction=False) as p:
             for i in ids:
                 p.hmget(f"{RQ_JOB}{i}", ["enqueued_at", "started_at"])
-            got = [(_ts(e), _ts(s)) for e, s in p.execute()]
+            return [(_ts(e), _ts(s)) for e, s in p.execute()]
     finally:
         r.close()
+
+
+def job_times(url: str, ids: Sequence[str]) -> dict[str, float]:
+    """From the jobs' rq records: how long their enqueues spread (first to last), and
+    how long they waited from enqueue to start (p50, max): how they reached the worker."""
+    got = records(url, ids)
     enq = [e for e, _ in got if e is not None]
     waits = [s - e for e, s in got if e is not None and s is not None]
     if not enq or not waits:
@@ -297,48 +302,150 @@ async def submit_each(url: str, queue: str, kws: list[dict[str, Any]]) -> tuple[
 # -- first tokens -------------------------------------------------------------------------
 
 
-async def python_burst(url: str, queue: str, texts: list[str], tokens: int) -> list[float]:
+@dataclass
+class Firsts:
+    """One burst's first chunks: for each job its id, the wall time its request was sent
+    and the wall time its first chunk arrived."""
+
+    ids: list[str] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+
+    def seconds(self) -> list[float]:
+        return [f - s for s, f in zip(self.sent, self.first, strict=True)]
+
+
+async def python_burst(url: str, queue: str, texts: list[str], tokens: int) -> Firsts:
     """Submit (one call) to each job's first streamed chunk, for jobs submitted together."""
     kws = [dict(messages=chat(t), max_tokens=tokens, **GREEDY) for t in texts]
-    return await procs.first_chunks_s(url, queue, kws, WAIT_S)
+    ac = AsyncClient(url, queue)
+    out = Firsts()
+
+    async def first(job: AsyncJob) -> float:
+        at = float("nan")
+        async for _ in job.stream(timeout=WAIT_S):
+            if at != at:
+                at = time.time()
+        return at
+
+    try:
+        sent = time.time()
+        jobs = await ac.submit_many(kws)
+        out.first = list(await asyncio.gather(*map(first, jobs)))
+        out.ids, out.sent = [j.id for j in jobs], [sent] * len(jobs)
+    finally:
+        await ac.aclose()
+    return out
 
 
-async def serve_burst(base: str, queue: str, texts: list[str], tokens: int) -> list[float]:
+async def serve_burst(base: str, queue: str, texts: list[str], tokens: int) -> Firsts:
     """Request to each stream's first chunk with text, for requests sent together."""
     async with oai_client(base, len(texts)) as client:
         go = asyncio.Event()
 
-        async def first(text: str) -> float:
+        async def first(text: str) -> tuple[str, float, float]:
             await go.wait()
-            t0, dt = time.perf_counter(), None
+            sent, at, cid = time.time(), float("nan"), ""
             stream = await client.chat.completions.create(
                 model=queue, messages=chat(text), max_tokens=tokens, stream=True, **GREEDY
             )
             async for c in stream:
-                if dt is None and c.choices and (c.choices[0].delta.content or "") != "":
-                    dt = time.perf_counter() - t0
-            return dt if dt is not None else float("nan")
+                cid = cid or c.id
+                if at != at and c.choices and (c.choices[0].delta.content or "") != "":
+                    at = time.time()
+            return cid.split("-", 1)[-1], sent, at
 
         tasks = [asyncio.create_task(first(t)) for t in texts]
         await asyncio.sleep(0)
         go.set()
-        return list(await asyncio.gather(*tasks))
+        got = await asyncio.gather(*tasks)
+    return Firsts([i for i, _, _ in got], [s for _, s, _ in got], [f for _, _, f in got])
+
+
+async def http_burst(
+    base: str, queue: str, texts: list[str], tokens: int, text: bool = True
+) -> Firsts:
+    """Streaming chat completions as raw HTTP/1.1 over sockets opened beforehand and
+    written together: a burst as the gateway sees one, without a client library's own
+    time (one ``AsyncOpenAI`` sends its requests one after another). ``text``: each
+    stream's first chunk with text, read on to its end; else its first chunk, then hung
+    up (the job is canceled)."""
+    host, port = base.split("//", 1)[1].rsplit(":", 1)
+    conns = [await asyncio.open_connection(host, int(port)) for _ in texts]
+    go = asyncio.Event()
+
+    async def one(k: int) -> tuple[str, float, float]:
+        body = json.dumps(
+            dict(model=queue, messages=chat(texts[k]), max_tokens=tokens, stream=True, **GREEDY)
+        ).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        reader, writer = conns[k]
+        await go.wait()
+        sent, at, cid, buf = time.time(), float("nan"), "", b""
+        writer.write(head + body)
+        try:
+            while more := await reader.read(65536):
+                buf += more
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if b"data: [DONE]" in event:
+                        return cid.split("-", 1)[-1], sent, at
+                    if (start := event.find(b"data: {")) < 0:  # headers, chunk sizes
+                        continue
+                    chunk = json.loads(event[start + 6 :])
+                    cid = cid or chunk.get("id", "")
+                    delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+                    if at != at and delta.get("content"):
+                        at = time.time()
+                    if cid and not text:
+                        return cid.split("-", 1)[-1], sent, sent
+        finally:
+            writer.close()
+        raise RuntimeError(f"stream {cid or k} ended without [DONE]")
+
+    tasks = [asyncio.create_task(one(k)) for k in range(len(texts))]
+    await asyncio.sleep(0.05)  # every request built and waiting
+    go.set()
+    got = await asyncio.gather(*tasks)
+    return Firsts([i for i, _, _ in got], [s for _, s, _ in got], [f for _, _, f in got])
+
+
+def burst_parts(url: str, b: Firsts) -> dict[str, float]:
+    """Where a burst's first token went, p50 of each job's: request sent to enqueued
+    (the gateway's intake, or submit_many's round trip), enqueued to started (claim and
+    the admission window), started to its first chunk at the client (prefill, publish,
+    delivery). Wall clocks of one machine."""
+    got = records(url, b.ids)
+    joined = zip(b.sent, b.first, got, strict=True)
+    rows = [(s, e, st, f) for s, f, (e, st) in joined if e and st and f == f]
+    if not rows:
+        return {}
+    return {
+        "intake_p50_s": statistics.median(e - s for s, e, _, _ in rows),
+        "window_p50_s": statistics.median(st - e for _, e, st, _ in rows),
+        "first_p50_s": statistics.median(f - st for _, _, st, f in rows),
+    }
 
 
 def ttft(w: Worker, base: str, tag: str, n: int, tokens: int) -> dict[str, float]:
-    """First-token p50 and max (seconds) of a burst of ``n``, both clients, the worker idle
-    before each burst."""
+    """First-token p50 and max (seconds) of a burst of ``n`` on an idle worker, three
+    ways (the Python client, the openai client through the gateway, raw HTTP through it),
+    and where each way's p50 went (``burst_parts``)."""
     w.last = None  # counted by no run
-    py = asyncio.run(python_burst(w.url, w.queue, [prompt(tag + "p", i) for i in range(n)], tokens))
-    time.sleep(0.5)
-    sv = asyncio.run(serve_burst(base, w.queue, [prompt(tag + "s", i) for i in range(n)], tokens))
-    time.sleep(0.5)
-    return {
-        "python_p50_s": statistics.median(py),
-        "python_max_s": max(py),
-        "serve_p50_s": statistics.median(sv),
-        "serve_max_s": max(sv),
-    }
+    out: dict[str, float] = {}
+    for who, burst in (
+        ("python", lambda t: python_burst(w.url, w.queue, t, tokens)),
+        ("serve", lambda t: serve_burst(base, w.queue, t, tokens)),
+        ("http", lambda t: http_burst(base, w.queue, t, tokens)),
+    ):
+        b = asyncio.run(burst([prompt(f"{tag}{who[0]}", i) for i in range(n)]))
+        time.sleep(0.5)
+        out[f"{who}_p50_s"], out[f"{who}_max_s"] = statistics.median(b.seconds()), max(b.seconds())
+        out.update({f"{who}_{k}": v for k, v in burst_parts(w.url, b).items()})
+    return out
 
 
 # -- report -------------------------------------------------------------------------------
@@ -422,8 +529,16 @@ def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[st
             f"first token, burst ({variant or 'default'}): python client p50 "
             f"{ms['python_p50_s']:.1f} ms (max {ms['python_max_s']:.1f}); openai via serve p50 "
             f"{ms['serve_p50_s']:.1f} ms (max {ms['serve_max_s']:.1f}); serve - python "
-            f"{ms['serve_p50_s'] - ms['python_p50_s']:+.1f} ms"
+            f"{ms['serve_p50_s'] - ms['python_p50_s']:+.1f} ms; raw HTTP via serve p50 "
+            f"{ms['http_p50_s']:.1f} ms ({ms['http_p50_s'] - ms['python_p50_s']:+.1f})"
         )
+        for who in ("python", "serve", "http"):
+            if f"{who}_intake_p50_s" in ms:
+                lines.append(
+                    f"  {who} p50: sent to enqueued {ms[f'{who}_intake_p50_s']:.1f} ms, enqueued"
+                    f" to started {ms[f'{who}_window_p50_s']:.1f}, started to first chunk "
+                    f"{ms[f'{who}_first_p50_s']:.1f}"
+                )
     lines += stages(best)
     lines.append(
         "steps: decode steps (r/st: tokens a step, which sets tokens/s where a step's time "
