@@ -22,7 +22,7 @@ from mlxq.producer.connection import redis_url as resolve_url
 from mlxq.producer.job import Job, end_of
 from mlxq.producer.mux import RESYNC, AsyncSubscriber
 from mlxq.producer.outcome import TERMINAL, job_status
-from mlxq.producer.params import SubmitOptions
+from mlxq.producer.params import SubmitOptions, check_names
 from mlxq.producer.result import Result, latest_fields
 from mlxq.producer.stream import DONE, END, READ_LOG, STATUS, WAIT, Follow
 
@@ -104,9 +104,50 @@ class AsyncJob:
         return await asyncio.to_thread(self._job.result, timeout)
 
 
+class _Group:
+    """Submits to one queue sent together, as a database commits a group: the first goes
+    at once, and those that arrive while a round trip is under way go in the next one, as
+    one script (how a gateway's burst of requests, each its own ``submit``, reaches the
+    queue in a few round trips rather than one each, and the worker's batching window
+    sees the burst whole). Each job is checked on its own and fails alone."""
+
+    def __init__(self, client: Client, queue: str | None, loop: asyncio.AbstractEventLoop):
+        self.client, self.queue, self.loop = client, queue, loop
+        self.waiting: list[tuple[Mapping[str, Any], asyncio.Future[Job]]] = []
+        self.sending: asyncio.Task[None] | None = None
+
+    async def submit(self, kw: Mapping[str, Any]) -> Job:
+        done: asyncio.Future[Job] = self.loop.create_future()
+        self.waiting.append((kw, done))
+        if self.sending is None:
+            self.sending = self.loop.create_task(self._send())
+        return await done
+
+    async def _send(self) -> None:
+        try:
+            while self.waiting:
+                group, self.waiting = self.waiting, []
+                try:
+                    got: list[Job | Exception] = await asyncio.to_thread(
+                        self.client._submit_each, [kw for kw, _ in group], self.queue
+                    )
+                except Exception as e:  # the group's round trip failed: each job's error
+                    got = [e] * len(group)
+                for (_, done), outcome in zip(group, got, strict=True):
+                    if done.done():  # its caller gave up waiting; the job is queued
+                        continue
+                    if isinstance(outcome, Exception):
+                        done.set_exception(outcome)
+                    else:
+                        done.set_result(outcome)
+        finally:
+            self.sending = None
+
+
 class AsyncClient:
     """Submit and follow jobs from asyncio code; arguments as for
-    :class:`~mlxq.producer.client.Client`."""
+    :class:`~mlxq.producer.client.Client`. Concurrent :meth:`submit` calls to one queue
+    are sent together (each still checked and failed on its own)."""
 
     def __init__(self, redis_url: str | None = None, queue: str = "default", **kw: Any) -> None:
         url = resolve_url(redis_url)  # None: $MLXQ_REDIS_URL, else the default
@@ -114,6 +155,7 @@ class AsyncClient:
         self.aredis = connect_async(url)
         self.subscriber = AsyncSubscriber(self.aredis)
         self.queue_name = queue
+        self._groups: dict[str | None, _Group] = {}  # by queue: submits sent together
 
     async def submit(
         self,
@@ -123,8 +165,13 @@ class AsyncClient:
         **options: Unpack[SubmitOptions],
     ) -> AsyncJob:
         """Queue one job; the arguments of :meth:`Client.submit`."""
-        job = await asyncio.to_thread(self._sync.submit, prompt, queue=queue, **options)
-        return AsyncJob(self, job)
+        check_names(options, "AsyncClient.submit()")
+        kw = {"prompt": prompt, **options}
+        loop = asyncio.get_running_loop()
+        group = self._groups.get(queue)
+        if group is None or group.loop is not loop:
+            group = self._groups[queue] = _Group(self._sync, queue, loop)
+        return AsyncJob(self, await group.submit(kw))
 
     async def submit_many(
         self,

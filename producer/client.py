@@ -287,10 +287,60 @@ class Client:
             except ValueError as e:
                 raise type(e)(f"jobs[{i}]: {e}" if len(jobs) > 1 else str(e)) from None
         records = [self._record(q, r, job_id) for r, job_id in zip(reqs, ids, strict=True)]
+        return self._send(q, records, ids)
+
+    def _submit_each(
+        self, jobs: Sequence[Mapping[str, Any]], queue: str | None = None
+    ) -> list[Job | Exception]:
+        """Queue jobs that were asked for one by one (:meth:`submit`'s keyword arguments
+        each) in one round trip: each job's outcome on its own, its handle or the error
+        :meth:`submit` would have raised for it alone. What one job lacks fails it only;
+        where the queue's cap refuses the group, each job is sent by itself, so the cap
+        counts them as it would one at a time. How :class:`AsyncClient` sends submits
+        that arrive together."""
+        q = self._rq_queue(queue)
+        out: list[Job | Exception | None] = [None] * len(jobs)
+        records: list[tuple[int, tuple[str, Any]]] = []  # each its index in out
+        for i, kw in enumerate(jobs):
+            try:
+                req = build_request(**kw, max_tokens_cap=self.max_tokens_cap)
+            except (TypeError, ValueError) as e:
+                out[i] = e
+                continue
+            records.append((i, self._record(q, req, None)))
+        if records:
+            sent = self._send_group(q, [r for _, r in records])
+            for (i, _), got in zip(records, sent, strict=True):
+                out[i] = got
+        return [o for o in out if o is not None]
+
+    def _send_group(self, q: Queue, records: list[tuple[str, Any]]) -> list[Job | Exception]:
+        """Records of jobs asked for one by one, sent in one script where the cap lets
+        them: each job's handle, or the error sending it alone would have raised."""
+        try:
+            return list(self._send(q, records, []))
+        except QueueFull as e:
+            if len(records) == 1:
+                return [e]
+            return [got for r in records for got in self._send_group(q, [r])]
+        except NotReplicated as e:
+            return [
+                NotReplicated(e.asked, e.reached, self.wait_timeout, [job_id])
+                for job_id, _ in records
+            ]
+
+    def _send(self, q: Queue, records: list[tuple[str, Any]], ids: list[str | None]) -> list[Job]:
+        """Enqueue rq records (each its id and fields) in as few scripts as the cap allows;
+        ``ids``: the ids the caller chose, one per record or none.
+
+        Raises:
+            QueueFull, QueueBroken, JobIdInUse, NotReplicated: as :meth:`submit_many`.
+        """
         # One slice when capped: the cap is checked against all of them at once. Else in
         # slices, so a worker starts on the first jobs of a big sweep while the rest are
         # still being sent; the first slice checks every id the caller chose, so an id in
         # use refuses the whole call before anything is queued.
+        ids = ids or [None] * len(records)
         step = max(1, len(records)) if self.max_queued is not None else SUBMIT_SLICE
         chosen = [
             (r[0], scripts.digest(r[1])) for r, j in zip(records, ids, strict=True) if j is not None
