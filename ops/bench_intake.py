@@ -123,11 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             url, server = procs.start_redis(work, ["--maxclients", "10000"])
             started.append(server)
             model = work / "model"
-            subprocess.run(["mlxq", "model", "tiny", str(model)], check=True, capture_output=True)
+            mlxq = str(procs.MLXQ) if procs.MLXQ.exists() else "mlxq"
+            subprocess.run([mlxq, "model", "tiny", str(model)], check=True, capture_output=True)
             queue = "bench-intake"
             procs.start_worker(model, url, queue, work / "worker.log", started=started)
             base, _ = start_gateway(url, work, started)
-            subprocess.run(["rq", "suspend", "--url", url], check=True, capture_output=True)
+            rq = procs.MLXQ.with_name("rq")
+            suspend = [str(rq) if rq.exists() else "rq", "suspend", "--url", url]
+            subprocess.run(suspend, check=True, capture_output=True)
             run: dict[str, Callable[[list[str]], Awaitable[Sent]]] = {
                 "many": lambda t: many(url, queue, t),
                 "each": lambda t: each(url, queue, t),

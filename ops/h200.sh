@@ -90,6 +90,10 @@ serve)
         --tokens "$tokens" --streams "$streams" --burst 64 \
         "${variants[@]}" --json "$OUT/serve.json" 2>&1 |
         tee "$OUT/serve.log"
+    # The way in alone (worker suspended): how soon a burst's requests reach the queue on
+    # this host's cores, raw HTTP and the openai client against submit_many (~30 s).
+    log "bench_intake"
+    "$PY" ops/bench_intake.py --rounds 5 2>&1 | tee "$OUT/intake.log"
     ;;
 structured)
     # Issue 25: one shared JSON schema on every row, on a quarter of the rows, and a
