@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 
 from mlxq.producer.validate import at_least
 
+#: What a refill costs, in decode steps of the whole batch: mlx-lm's two passes of its own
+#: (prompt, first token) while every decoding row waits; on a GPU a pass of a few rows
+#: costs about what a decode step of all of them does.
+PASS_STEPS = 2
+
 
 @dataclass(slots=True)
 class Gather:
@@ -34,11 +39,14 @@ class Gather:
     Rule, each decode step with ``n = min(free rows, waiting jobs) > 0``: wait when more
     jobs wait than rows are free (a queue that would fill rows freed later), some running
     row ends within ``d`` steps for sure (its ``max_tokens`` run out; it may end sooner),
-    the ``n`` rows waiting ``d`` steps cost no more than one stall of the batch would
-    (``n * d <= running rows``), and admission has not been put off ``hold_steps`` steps
-    already. Otherwise admit. So nothing waits on an idle batch, nor without a queue
-    behind it, nor for rows that might run on; and a job waits at most ``hold_steps``
-    decode steps more than it would without the rule.
+    waiting costs no more than the refill it saves (the rows' idle steps so far plus ``n *
+    d`` at most :data:`PASS_STEPS` times the rows a refill would stall, ``running + n``),
+    and admission has not been put off ``hold_steps`` steps already. Otherwise admit. So
+    nothing waits on an idle batch, nor without a queue behind it, nor for rows that might
+    run on; a job waits at most ``hold_steps`` decode steps more than it would without the
+    rule; and rows stand idle for a refill no longer than that refill would cost (as in
+    ski rental: rent until the rent paid would have bought the skis). One row freed early
+    may so wait a long while for a cohort about to end; many rows, a step or two.
 
     Recommended: ``hold_steps=4``, which joins cohorts that started up to four steps
     apart (a gateway's burst reaches a worker over a few steps); 0 turns the rule off.
@@ -57,6 +65,8 @@ class Gather:
     hold_steps: int
     #: The step admission was first put off, None while nothing waits for a row.
     since: int | None = field(default=None, init=False)
+    #: Row-steps the rows have stood idle since then.
+    idle: int = field(default=0, init=False)
     #: Decode steps on which admission was put off, since the start.
     held_steps: int = field(default=0, init=False)
 
@@ -77,10 +87,12 @@ class Gather:
         n = min(free, waiting)
         if n > 0 and hold > 0 and waiting > free:
             if self.since is None:
-                self.since = step
+                self.since, self.idle = step, 0
             budget = hold - (step - self.since)
-            soon = min(steps_left(), default=budget + 1)
-            if 0 < soon <= budget:
+            rows = steps_left()
+            soon = min(rows, default=budget + 1)
+            if 0 < soon <= budget and self.idle + n * soon <= PASS_STEPS * (len(rows) + n):
+                self.idle += n
                 self.held_steps += 1
                 return False
         self.since = None

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxq.batching.prefill import Gather, bucket, prefill_shape
+from mlxq.batching.prefill import PASS_STEPS, Gather, bucket, prefill_shape
 from mlxq.producer.logits_params import LogitsParams
 from mlxq.producer.params import GenerationRequest, SamplingParams
 
@@ -16,6 +16,9 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 
 def left(*steps: int):
     return lambda: list(steps)
+
+
+BUSY = [200] * 32  # rows running on long after any hold: a busy batch
 
 
 def test_free_rows_wait_for_rows_about_to_end_while_a_queue_waits():
@@ -41,20 +44,37 @@ def test_nothing_waits_without_a_queue_an_ending_row_or_a_running_row():
 
 def test_the_hold_is_bounded_from_the_first_step_put_off():
     g = Gather(hold_steps=3)
-    assert not g.ready(5, 8, 100, left(3))
-    assert not g.ready(6, 8, 100, left(2))
-    assert not g.ready(7, 8, 100, left(1))
-    assert g.ready(8, 8, 100, left(9))  # three steps put off: admit, whatever ends next
-    assert not g.ready(9, 4, 100, left(1))  # a new hold starts afresh
+    assert not g.ready(5, 8, 100, left(3, *BUSY))
+    assert not g.ready(6, 8, 100, left(2, *BUSY))
+    assert not g.ready(7, 8, 100, left(1, *BUSY))
+    assert g.ready(8, 8, 100, left(9, *BUSY))  # three steps put off: admit, whatever ends next
+    assert not g.ready(9, 4, 100, left(1, *BUSY))  # a new hold starts afresh
 
 
 def test_a_hold_given_for_one_decision_replaces_the_rules_own():
     g = Gather(hold_steps=4)
-    assert g.ready(0, 1, 100, left(9, 30))  # ends past the rule's 4 steps: admit
-    assert not g.ready(1, 1, 100, left(8, 29), hold_steps=16)  # a sweep's level: wait
-    assert g.ready(2, 1, 100, left(7, 28), hold_steps=0)  # off for this decision
-    assert not g.ready(3, 1, 100, left(6, 27), hold_steps=16)
-    assert g.ready(20, 1, 100, left(1), hold_steps=16)  # 16 steps since the first put-off
+    assert g.ready(0, 1, 100, left(9, *BUSY))  # ends past the rule's 4 steps: admit
+    assert not g.ready(1, 1, 100, left(8, *BUSY), hold_steps=16)  # a sweep's level: wait
+    assert g.ready(2, 1, 100, left(7, *BUSY), hold_steps=0)  # off for this decision
+    assert not g.ready(3, 1, 100, left(6, *BUSY), hold_steps=16)
+    assert g.ready(20, 1, 100, left(1, *BUSY), hold_steps=16)  # 16 steps since the first
+
+
+def test_rows_stand_idle_no_longer_than_the_refill_they_save_would_cost():
+    # One row freed early waits long for a cohort about to end: 40 idle row-steps against a
+    # refill that would stall 64 rows for two steps.
+    g = Gather(hold_steps=64)
+    assert not g.ready(0, 1, 100, left(40, *[40] * 62))
+    # Half the batch free waits for 4 steps (32 x 4 = 128 = 2 x 64), not 5.
+    assert Gather(hold_steps=64).ready(0, 32, 100, left(5, *[5] * 31))
+    g = Gather(hold_steps=64)
+    assert not g.ready(0, 32, 100, left(4, *[4] * 31))
+    # What stood idle counts: the next end is 4 steps off again (the cohort waited for
+    # ended early, by its own stop), and 32 row-steps spent + 32 x 4 passes the cost.
+    assert g.ready(1, 32, 100, left(4, *[4] * 31))
+    assert g.idle == 32 and g.since is None
+    assert not g.ready(2, 32, 100, left(4, *[4] * 31))  # a new hold counts afresh
+    assert g.idle == 32
 
 
 def test_steps_left_is_asked_only_when_there_is_something_to_decide():
@@ -99,6 +119,7 @@ def test_no_job_is_held_longer_than_hold_steps_and_nothing_is_held_without_cause
         run += 1
         assert run <= hold
         assert waiting > free and rows and min(rows) <= hold
+        assert g.idle <= PASS_STEPS * (len(rows) + n)  # idle no longer than a refill costs
     assert g.held_steps <= len(turns)
 
 
@@ -289,7 +310,7 @@ def test_a_sweeps_waiting_rows_gather_longer_and_no_higher_levels_do():
 
     levels = WorkerConfig("m", queues=("chat", "team-a,team-b", "sweeps"), admit_hold_steps=5)
     s = Scheduler(levels, None, None, None)  # type: ignore[arg-type]  # _hold reads levels only
-    assert s._hold([job("sweeps"), job("sweeps")]) == LOWEST_HOLD_FACTOR * 5 == 20
+    assert s._hold([job("sweeps"), job("sweeps")]) == LOWEST_HOLD_FACTOR * 5 == 80
     assert s._hold([job("sweeps"), job("team-b")]) is None  # a middle level's job waits too
     assert s._hold([job("chat")]) is None
     assert s._hold([]) is None
