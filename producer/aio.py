@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from mlxq.producer import keys
-from mlxq.producer.client import Client
+from mlxq.producer.client import SUBMIT_SLICE, Client
 from mlxq.producer.codec import Chunk
 from mlxq.producer.connection import TRANSIENT, backoff, connect_async
 from mlxq.producer.connection import redis_url as resolve_url
@@ -125,8 +125,8 @@ class _Group:
 
     async def _send(self) -> None:
         try:
-            while self.waiting:
-                group, self.waiting = self.waiting, []
+            while self.waiting:  # a group at most one script's slice
+                group, self.waiting = self.waiting[:SUBMIT_SLICE], self.waiting[SUBMIT_SLICE:]
                 try:
                     got: list[Job | Exception] = await asyncio.to_thread(
                         self.client._submit_each, [kw for kw, _ in group], self.queue

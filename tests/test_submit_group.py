@@ -51,6 +51,24 @@ def test_a_burst_goes_in_one_round_trip_and_a_bad_job_fails_alone(persistent_red
     r.close()
 
 
+def test_a_burst_past_a_slice_goes_in_a_script_a_slice(persistent_redis, queue_name):
+    # A group is at most one script's slice (256 jobs): a replica's WAIT then answers for
+    # exactly the jobs of that script.
+    r = redis.Redis.from_url(persistent_redis.url)
+
+    async def burst() -> list[AsyncJob | BaseException]:
+        async with AsyncClient(persistent_redis.url, queue=queue_name) as ac:
+            await ac.submit("loads the script", max_tokens=1)
+            r.config_resetstat()
+            return await _submit_all(ac, [dict(prompt=f"j{i}", max_tokens=1) for i in range(300)])
+
+    got = asyncio.run(burst())
+    assert all(isinstance(g, AsyncJob) for g in got)
+    assert _scripts_run(r) == 2
+    assert Queue(queue_name, connection=r).count == 301
+    r.close()
+
+
 def test_a_capped_queue_counts_a_burst_one_job_at_a_time(persistent_redis, queue_name):
     # A group of five refused whole by a cap of three would queue none; one by one, three.
     r = redis.Redis.from_url(persistent_redis.url)
