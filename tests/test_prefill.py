@@ -310,7 +310,7 @@ def test_a_sweeps_waiting_rows_gather_longer_and_no_higher_levels_do():
 
     levels = WorkerConfig("m", queues=("chat", "team-a,team-b", "sweeps"), admit_hold_steps=5)
     s = Scheduler(levels, None, None, None)  # type: ignore[arg-type]  # _hold reads levels only
-    assert s._hold([job("sweeps"), job("sweeps")]) == LOWEST_HOLD_FACTOR * 5 == 80
+    assert s._hold([job("sweeps"), job("sweeps")]) == LOWEST_HOLD_FACTOR * 5 == 20
     assert s._hold([job("sweeps"), job("team-b")]) is None  # a middle level's job waits too
     assert s._hold([job("chat")]) is None
     assert s._hold([]) is None

@@ -31,16 +31,17 @@ from mlxq.worker.jobs import Job, Status
 log = logging.getLogger("mlxq.worker")
 
 #: Where every waiting job is of the lowest of several levels (a sweep beside interactive
-#: traffic), its freed rows may gather up to this many times ``--admit-hold-steps`` (64
+#: traffic), its freed rows may gather up to this many times ``--admit-hold-steps`` (16
 #: steps by default) for one prefill. Each interactive job leaves sweep rows out of step
 #: with the rest (the row it took, the row paused for it), and on a GPU each refill of a
 #: few rows costs two passes of their own (prompt, first token), about two decode steps of
 #: the whole batch: gathered a few steps at most, a sweep's rows split into more and more
-#: cohorts, each refilled apart. A row or two out of step wait for the next cohort's end
-#: instead and join it; the gather rule's own bound (rows stand idle no longer than the
-#: refill they save would cost) keeps many rows from waiting long, and no job of a higher
-#: level ever waits for this.
-LOWEST_HOLD_FACTOR = 16
+#: cohorts, each refilled apart. The gather rule's own bound (rows stand idle no longer
+#: than the refill they save would cost) keeps many rows from waiting long, and no job of
+#: a higher level ever waits for this. Longer (64 steps) refilled the sweep in fewer passes
+#: on a CPU but in bigger ones, each a long wait there for a chat job that lands in it (the
+#: soak's interactive p99: 0.7 s -> 2.0-2.5 s); ``--admit-hold-steps 16`` gives that.
+LOWEST_HOLD_FACTOR = 4
 #: A waiting job of a higher level pauses no row while as many rows end for sure within
 #: this many decode steps (their ``max_tokens`` run out): a sweep of short jobs frees a row
 #: about every step, and a pause and its resume cost far more than a step or two of wait.
