@@ -69,10 +69,13 @@ priority)
         [ -f "$base" ] || { echo "no $base: run PARTS=base first on this machine" >&2; exit 2; }
         extra=(--baseline "$base")
     fi
+    # WORKER_ARGS: more worker options, e.g. "--admit-hold-steps 16" (the sweep's refills
+    # gathered up to 64 steps) for a PARTS=both run against the default's base.
     name=priority-${parts//,/-}
-    log "bench_priority $parts: sweep $jobs jobs"
+    log "bench_priority $parts: sweep $jobs jobs ${WORKER_ARGS:-}"
     "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts "$parts" \
-        --sweep-jobs "$jobs" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" 2>&1 |
+        --sweep-jobs "$jobs" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
+        --worker-args="${WORKER_ARGS:-}" 2>&1 |
         tee "$OUT/$name.log"
     if [[ ",$parts," == *,base,* ]]; then cp "$OUT/$name.json" "$base"; fi
     ;;
