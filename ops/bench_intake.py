@@ -36,17 +36,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import procs
-from bench_gateway import oai_client, raise_fd_limit, start_gateway
-from bench_serve import GREEDY, chat, http_burst, prompt, records
+from bench_gateway import raise_fd_limit, start_gateway
+from bench_serve import GREEDY, chat, http_burst, prompt, records, serve_burst
 
 from mlxq.producer import AsyncClient
 
 WAYS = ("many", "each", "http", "openai")
 Sent = tuple[list[float], list[str]]  # each job's send time (unix s) and its id
-
-
-def _body(queue: str, text: str) -> dict[str, object]:
-    return dict(model=queue, messages=chat(text), max_tokens=4, stream=True, **GREEDY)
 
 
 async def many(url: str, queue: str, texts: list[str]) -> Sent:
@@ -68,24 +64,9 @@ async def each(url: str, queue: str, texts: list[str]) -> Sent:
     return [s for s, _ in got], [i for _, i in got]
 
 
-async def openai_client(base: str, queue: str, texts: list[str]) -> Sent:
-    async with oai_client(base, len(texts)) as client:
-        go = asyncio.Event()
-
-        async def one(text: str) -> tuple[float, str]:
-            await go.wait()
-            sent = time.time()
-            stream = await client.chat.completions.create(**_body(queue, text))  # type: ignore[call-overload]
-            async for c in stream:
-                await stream.close()
-                return sent, str(c.id).split("-", 1)[-1]
-            raise RuntimeError("a stream ended before its first chunk")
-
-        tasks = [asyncio.create_task(one(t)) for t in texts]
-        await asyncio.sleep(0)
-        go.set()
-        got = await asyncio.gather(*tasks)
-    return [s for s, _ in got], [i for _, i in got]
+async def openai_sent(base: str, queue: str, texts: list[str]) -> Sent:
+    b = await serve_burst(base, queue, texts, 4, text=False)
+    return b.sent, b.ids
 
 
 async def http_sent(base: str, queue: str, texts: list[str]) -> Sent:
@@ -135,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "many": lambda t: many(url, queue, t),
                 "each": lambda t: each(url, queue, t),
                 "http": lambda t: http_sent(base, queue, t),
-                "openai": lambda t: openai_client(base, queue, t),
+                "openai": lambda t: openai_sent(base, queue, t),
             }
             print(f"burst={args.burst} rounds={args.rounds} (worker suspended)", flush=True)
             seen: dict[str, list[tuple[float, float]]] = {w: [] for w in args.ways}

@@ -338,19 +338,26 @@ async def python_burst(url: str, queue: str, texts: list[str], tokens: int) -> F
     return out
 
 
-async def serve_burst(base: str, queue: str, texts: list[str], tokens: int) -> Firsts:
-    """Request to each stream's first chunk with text, for requests sent together."""
+async def serve_burst(
+    base: str, queue: str, texts: list[str], tokens: int, text: bool = True
+) -> Firsts:
+    """Request to each stream's first chunk with text, for requests sent together.
+    ``text``: read on to each stream's end; else its first chunk, then hung up (the job
+    is canceled)."""
     async with oai_client(base, len(texts)) as client:
         go = asyncio.Event()
 
-        async def first(text: str) -> tuple[str, float, float]:
+        async def first(text_: str) -> tuple[str, float, float]:
             await go.wait()
             sent, at, cid = time.time(), float("nan"), ""
             stream = await client.chat.completions.create(
-                model=queue, messages=chat(text), max_tokens=tokens, stream=True, **GREEDY
+                model=queue, messages=chat(text_), max_tokens=tokens, stream=True, **GREEDY
             )
             async for c in stream:
                 cid = cid or c.id
+                if not text:
+                    await stream.close()
+                    return cid.split("-", 1)[-1], sent, sent
                 if at != at and c.choices and (c.choices[0].delta.content or "") != "":
                     at = time.time()
             return cid.split("-", 1)[-1], sent, at
