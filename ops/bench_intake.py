@@ -37,7 +37,8 @@ from pathlib import Path
 
 import procs
 from bench_gateway import raise_fd_limit, start_gateway
-from bench_serve import GREEDY, chat, http_burst, prompt, records, serve_burst
+from bench_serve import GREEDY, chat, http_burst, prompt, serve_burst
+from procs import records
 
 from mlxq.producer import AsyncClient
 

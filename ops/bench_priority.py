@@ -48,6 +48,7 @@ import platform
 import random
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from procs import MLXQ, commit, free_port, start_redis, start_worker, stop, version
+from procs import MLXQ, commit, free_port, records, start_redis, start_worker, stop, version
 from prometheus_client.parser import text_string_to_metric_families
 from rq import Queue
 from words import WORDS
@@ -105,6 +106,12 @@ class Followed:
     text: str = ""
     tokens: int = 0
     problem: str | None = None
+    id: str | None = None
+    sent: float | None = None  # wall clock at submit
+    first_at: float | None = None  # wall clock at the first text
+    # submit to enqueued, enqueued to started (claimed and given a row), started to the
+    # first text (prefill, first step, publish, delivery): seconds, from its rq record
+    split: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -138,6 +145,11 @@ class Phase:
 
     def first_s(self) -> list[float]:
         return sorted(p.first_s for p in self.probes if p.first_s is not None)
+
+    def split_p50(self) -> list[float] | None:
+        """The interactive jobs' p50 of each part of the first token (``Followed.split``)."""
+        got = [p.split for p in self.probes if p.split is not None]
+        return [statistics.median(x) for x in zip(*got, strict=True)] if got else None
 
     def pct(self, q: float) -> float | None:
         return percentile(self.first_s(), q)
@@ -253,6 +265,7 @@ async def follow(job: AsyncJob, start: float) -> Followed:
         async for c in job.stream(timeout=WAIT_S):
             if f.first_s is None and c.text:
                 f.first_s = time.perf_counter() - start
+                f.first_at = time.time()
             if c.seq in seqs or c.kind != "tokens":
                 f.problem = f"chunk {c.seq} {'again' if c.seq in seqs else c.kind}"
             seqs.add(c.seq)
@@ -269,12 +282,14 @@ async def follow(job: AsyncJob, start: float) -> Followed:
 
 async def probe(client: AsyncClient, queue: str, k: int) -> Followed:
     """Submit interactive job k and follow it; its first text is timed from the submit."""
-    start = time.perf_counter()
+    start, sent = time.perf_counter(), time.time()
     try:
         job = await client.submit(queue=queue, **chat_job(k))
     except Exception as e:
         return Followed(problem=f"submit: {type(e).__name__}: {e}")
-    return await follow(job, start)
+    f = await follow(job, start)
+    f.id, f.sent = job.id, sent
+    return f
 
 
 async def interactive(
@@ -413,6 +428,7 @@ class Bench:
     def checked(self, ph: Phase, before: dict[str, Any]) -> None:
         """Note the probes' problems and the worker's counters over the phase."""
         ph.problems += [f"interactive job: {p.problem}" for p in ph.probes if p.problem]
+        split_first_tokens(self.w.url, ph.probes)
         now = self.w.info()
         ph.counters = {k: int(now.get(k, 0)) - int(before.get(k, 0)) for k in COUNTERS}
         # Prefill passes: on a GPU each costs about a decode step of the whole batch.
@@ -421,6 +437,15 @@ class Bench:
         ph.busy_ms = {k: v - was.get(k, 0.0) for k, v in (now.get("busy_ms") or {}).items()}
         for p in ph.problems[:5]:
             print(f"  ERROR ({ph.name}): {p}", flush=True)
+
+
+def split_first_tokens(url: str, probes: Sequence[Followed]) -> None:
+    """Each interactive job's first token in three parts, from its rq record's
+    enqueued_at and started_at (wall clocks of one machine)."""
+    timed = [p for p in probes if p.id and p.sent and p.first_at]
+    for p, (e, s) in zip(timed, records(url, [p.id for p in timed]), strict=True):
+        if e is not None and s is not None and p.sent and p.first_at:
+            p.split = (e - p.sent, s - e, p.first_at - s)
 
 
 def _passes(info: dict[str, Any]) -> int:
@@ -476,6 +501,8 @@ def read_baseline(path: str) -> dict[str, Phase]:
             raise SystemExit(f"--baseline {path}: no {name!r} phase in it (--parts base)")
         ph = Phase(name, counters=saved["counters"], busy_ms=saved.get("busy_ms") or {})
         ph.probes = [Followed(first_s=s) for s in saved["first_token_s"]]
+        for f, split in zip(ph.probes, saved.get("splits_s") or [], strict=False):
+            f.split = None if split is None else tuple(split)
         if saved["sweep"] is not None:
             sw = {k: v for k, v in saved["sweep"].items() if k not in ("texts", "tok_s")}
             ph.sweep = Sweep(**sw)
@@ -669,6 +696,10 @@ def table(phases: dict[str, Phase], args: argparse.Namespace) -> str:
     row(
         "interactive first token p50 / p99 ms",
         lambda p: f"{ms(p.pct(50))} / {ms(p.pct(99))}" if p.probes else "-",
+    )
+    row(
+        "p50 split: submit to enqueued / to started / to first text ms",
+        lambda p: " / ".join(ms(x) for x in sp) if (sp := p.split_p50()) else "-",
     )
     row("sweep jobs / tokens", sw(lambda s: f"{s.jobs:,} / {s.tokens:,}"))
     row("sweep wall s (of which submitting)", sw(lambda s: f"{s.wall_s:.1f} ({s.submit_s:.1f})"))
@@ -893,6 +924,8 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
                     "first_token_s": ph.first_s(),
                     "p50_s": ph.pct(50),
                     "p99_s": ph.pct(99),
+                    "split_p50_s": ph.split_p50(),
+                    "splits_s": [p.split for p in ph.probes],
                     "interactive_tokens": ph.chat_tokens,
                     "sweep": None
                     if ph.sweep is None

@@ -50,7 +50,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +59,11 @@ import procs
 import redis
 from bench_e2e import Direct, model_dir_for
 from bench_gateway import cpu_s, environment, oai_client, raise_fd_limit, run_streams, start_gateway
-from procs import stop
+from procs import records, stop
 from words import WORDS as ALL_WORDS
 
 from mlxq.producer import AsyncClient, AsyncJob, Client
 from mlxq.producer.info import collect
-from mlxq.producer.keys import RQ_JOB
 from mlxq.worker.random_model import SHAPES
 
 WORDS = ALL_WORDS[:24]
@@ -175,24 +173,6 @@ class Worker:
 
 
 # -- one run ------------------------------------------------------------------------------
-
-
-def _ts(raw: bytes | None) -> float | None:
-    if not raw:
-        return None
-    return datetime.fromisoformat(raw.decode().replace("Z", "+00:00")).timestamp()
-
-
-def records(url: str, ids: Sequence[str]) -> list[tuple[float | None, float | None]]:
-    """Each job's enqueued_at and started_at (unix seconds) from its rq record."""
-    r = redis.Redis.from_url(url)
-    try:
-        with r.pipeline(transaction=False) as p:
-            for i in ids:
-                p.hmget(f"{RQ_JOB}{i}", ["enqueued_at", "started_at"])
-            return [(_ts(e), _ts(s)) for e, s in p.execute()]
-    finally:
-        r.close()
 
 
 def job_times(url: str, ids: Sequence[str]) -> dict[str, float]:

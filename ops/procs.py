@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import redis
 from mlxq.producer import AsyncClient, AsyncJob
 from mlxq.producer.connection import connect
 from mlxq.producer.info import collect
+from mlxq.producer.keys import RQ_JOB
 
 MLXQ = Path(sys.executable).with_name("mlxq")
 
@@ -154,3 +156,22 @@ def stop(proc: subprocess.Popen[bytes] | None, within: float = 60) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def rq_time(raw: bytes | None) -> float | None:
+    """Unix seconds from an rq record's timestamp (UTC, ISO format), or None."""
+    if not raw:
+        return None
+    return datetime.fromisoformat(raw.decode().replace("Z", "+00:00")).timestamp()
+
+
+def records(url: str, ids: Sequence[str]) -> list[tuple[float | None, float | None]]:
+    """Each job's enqueued_at and started_at (unix seconds) from its rq record."""
+    r = redis.Redis.from_url(url)
+    try:
+        with r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hmget(f"{RQ_JOB}{i}", ["enqueued_at", "started_at"])
+            return [(rq_time(e), rq_time(s)) for e, s in p.execute()]
+    finally:
+        r.close()
