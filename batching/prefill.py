@@ -28,7 +28,8 @@ from mlxq.producer.validate import at_least
 
 #: What a refill costs, in decode steps of the whole batch: mlx-lm's two passes of its own
 #: (prompt, first token) while every decoding row waits; on a GPU a pass of a few rows
-#: costs about what a decode step of all of them does.
+#: costs about what a decode step of all of them does. (Rows that ride take no first-token
+#: pass, but a sweep's prefill of many rows costs more than a step: two stays the estimate.)
 PASS_STEPS = 2
 
 

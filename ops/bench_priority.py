@@ -91,6 +91,7 @@ COUNTERS = (
     "resume_tokens_recomputed",
     "tokens_generated",
     "decode_steps",
+    "first_token_passes",
     "prefill_shapes",
 )
 
@@ -717,11 +718,14 @@ def table(phases: dict[str, Phase], args: argparse.Namespace) -> str:
         c = p.counters
         per = c.get("tokens_generated", 0) / max(1, c.get("decode_steps", 0))
         return (
-            f"{c.get('decode_steps', 0):,} / {c.get('prefill_passes', 0):,}, "
-            f"{c.get('prefill_shapes', 0):,} ({per:.1f})"
+            f"{c.get('decode_steps', 0):,} ({c.get('first_token_passes', 0):,}) / "
+            f"{c.get('prefill_passes', 0):,}, {c.get('prefill_shapes', 0):,} ({per:.1f})"
         )
 
-    row("decode steps / prefill passes, new shapes (rows a step)", steps)
+    row(
+        "model passes (of them first-token passes) / prefill passes, new shapes (rows a pass)",
+        steps,
+    )
     row(
         "streams followed: errors",
         lambda p: f"{len(p.probes) + p.followed}: {len(p.problems)}",

@@ -29,6 +29,9 @@ from mlxq.worker.stages import Stages
 @dataclass
 class StepCounters:
     decode_steps: int = 0
+    #: Of those, the passes new rows took for their first token alone (rows that ride
+    #: take none: :meth:`mlxq.worker.generator.Generator.ride`).
+    first_token_passes: int = 0
     vectorized_steps: int = 0
     sampler_calls: int = 0
     tokens_generated: int = 0
@@ -113,13 +116,26 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
     keep_caches = False
 
     def __init__(
-        self, *args: Any, counters: StepCounters, stage: str = "decode", **kw: Any
+        self,
+        *args: Any,
+        counters: StepCounters,
+        stage: str = "decode",
+        ride: bool = False,
+        **kw: Any,
     ) -> None:
         self._history: TokenHistory | None = None
         # Before mlx-lm's constructor, which samples a first step: a batch of new rows
-        # counts that step as their ``first_token`` stage, the running batch as ``decode``.
-        self.counters, self._stage = counters, stage
+        # counts that step as their ``first_token`` stage, the running batch as ``decode``;
+        # a batch that rides takes no step of its own (``riding``).
+        self.counters, self._stage, self._no_first_step = counters, stage, ride
         super().__init__(*args, **kw)
+        self._no_first_step = False
+        #: Rows fed their last prompt token by the next step of the batch they join
+        #: instead of a pass of their own: that step samples their first token and emits
+        #: nothing for them (their first token is emitted the step after).
+        self.riding: set[int] = set(self.uids) if ride else set()
+        if ride:
+            self._next_logprobs = [None] * len(self.uids)
 
     def extract_cache(self, idx: int) -> list[Any]:
         n = len(self.tokens[idx])  # exactly the tokens its cache holds
@@ -127,13 +143,51 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             return []
         return [row_cache(c, idx, n) for c in self.prompt_cache]
 
+    def next(self) -> list[Any]:
+        """mlx-lm 0.32.2's ``next``, but a riding row's first step emits nothing: the
+        token it was fed is its prompt's last, not one it generated."""
+        if not self.uids:
+            return []
+        riding, self.riding = self.riding, set()
+        tokens, logprobs = self._step()
+        keep, responses = [], []
+        for i, uid in enumerate(self.uids):
+            if uid in riding:
+                keep.append(i)
+                continue
+            finish = None
+            self._num_tokens[i] += 1
+            if self._num_tokens[i] >= self.max_tokens[i]:
+                finish = "length"
+            if self._matchers[i].advance(tokens[i]):
+                finish = "stop"
+            if finish is None:
+                keep.append(i)
+            ended = finish is not None
+            responses.append(
+                self.Response(
+                    uid=uid,
+                    token=tokens[i],
+                    logprobs=logprobs[i],
+                    finish_reason=finish,
+                    prompt_cache=self.extract_cache(i) if ended else None,
+                    all_tokens=self.tokens[i] if ended else None,
+                )
+            )
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
     def _step(self) -> Any:
+        if self._no_first_step:  # mlx-lm's constructor, for a batch that rides
+            return [], []
         sampler = cast(RowSampler, self.fallback_sampler)
         sampler.bind(self.uids)
         rows, before = len(self.uids), sampler.calls
         with self.counters.stages.on(self._stage):
             out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
+        self.counters.first_token_passes += self._stage == "first_token"
         return out
 
     def _batched_step(self) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -199,6 +253,7 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             filter_rows(caches, keep, held)
         else:
             caches.clear()
+        self.riding &= set(self.uids)
         if self._history is not None:
             self._history = self._history.select(keep) if keep else None
 
@@ -216,6 +271,7 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             else:
                 theirs = _history(sampler, batch.uids, batch.tokens, _ints(batch._next_tokens))
         super().extend(batch)
+        self.riding |= getattr(batch, "riding", set())
         if mine is not None and theirs is not None:
             self._history = mine.extend(theirs)
         else:

@@ -113,6 +113,7 @@ class Engine:
             stop_tokens=[[t] for t in sorted(self._eos)],
         )
         self._rows: dict[int, Row] = {}  # by mlx-lm uid: the rows running, and paused
+        self._riding: set[int] = set()  # uids that ride (Generator.ride), till a token
         self._running = 0  # of those, the rows in the batch
         self._entries = LogprobEntries(tokenizer)
         self.reset()
@@ -153,6 +154,7 @@ class Engine:
         for row in self._rows.values():
             row.status = RowStatus.FINISHED
         self._rows.clear()
+        self._riding.clear()
         self._running = 0
 
     @property
@@ -170,11 +172,11 @@ class Engine:
         return self.max_batch - self._running
 
     def steps_left(self) -> list[int]:
-        """Each running row's most decode steps still to run (its ``max_tokens`` left;
-        it may end sooner)."""
+        """Each running row's most decode steps still to run (its ``max_tokens`` left,
+        and the step a riding row is fed its last prompt token; it may end sooner)."""
         return [
-            r.job.request.max_tokens - r.generated
-            for r in self._rows.values()
+            r.job.request.max_tokens - r.generated + (uid in self._riding)
+            for uid, r in self._rows.items()
             if r.status is RowStatus.RUNNING
         ]
 
@@ -190,9 +192,11 @@ class Engine:
             grammars=self.grammars,
         )
 
-    def add(self, jobs: Sequence[Job]) -> None:
+    def add(self, jobs: Sequence[Job], *, ride: bool = False) -> None:
         """Queue jobs' prompts for the next prefill, all in one insert (one row per
-        choice); they decode from then on."""
+        choice); they decode from then on. ``ride``: their first token comes from the
+        batch's next decode step, not a pass of their own (:meth:`Generator.ride`): for
+        jobs no one waits on the first token of."""
         rows = [(job, i) for job in jobs for i in range(job.request.n)]
         if not rows:
             return
@@ -214,6 +218,8 @@ class Engine:
             all_tokens=[p[:n] for p, n in zip(prompts, held, strict=True)] if cached else None,
             stop_sequences=[StopSequences([[t] for t in sorted(s)]) for s in stops],
         )
+        if ride:
+            self._ride(uids)
         for uid, (job, i), stop in zip(uids, rows, stops, strict=True):
             detok = Detokenizer(self.tokenizer, self._special)
             c = job.request.constraint
@@ -242,6 +248,7 @@ class Engine:
         kept = self._gen.take_out([row.uid for row in rows]) if rows else {}
         for row in rows:
             self.sampler.drop(row.uid)
+            self._riding.discard(row.uid)
             self._running -= 1
             row.status = RowStatus.PAUSED
             row.kv, row.kv_tokens = kept.get(row.uid, (None, None))
@@ -290,10 +297,15 @@ class Engine:
             all_tokens=before,
             stop_sequences=[StopSequences([[t] for t in sorted(r.stop_tokens)]) for r in rows],
         )
+        self._ride(uids)  # no one waits on a resumed row's next token: no pass of its own
         for uid, row in zip(uids, rows, strict=True):
             row.uid = uid
             self._join(row)
         self.counters.resumes += len(rows)
+
+    def _ride(self, uids: list[int]) -> None:
+        self._gen.ride(uids)
+        self._riding.update(uids)
 
     def _rows_of(self, jobs: Iterable[Job], status: RowStatus) -> list[Row]:
         ids = {j.id for j in jobs}
@@ -364,6 +376,7 @@ class Engine:
 
     def _on_token(self, row: Row, token: int, finish: str | None, logprob: Any) -> Delta:
         row.generated += 1
+        self._riding.discard(row.uid)
         detok = row.detok
         stop_token = finish == "stop" and token in row.stop_tokens
         if not stop_token:  # a stop token is no part of the text
@@ -391,6 +404,7 @@ class Engine:
 
     def _forget(self, row: Row) -> None:
         self._rows.pop(row.uid, None)
+        self._riding.discard(row.uid)
         if row.status is RowStatus.RUNNING:
             self._running -= 1
             self.sampler.drop(row.uid)

@@ -55,10 +55,13 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
     counters: StepCounters
     #: Pad each prefill to a bucketed shape; None: to its longest prompt, as mlx-lm does.
     buckets: Buckets | None = None
+    #: Rows whose first token may come from the batch's next decode step instead of a
+    #: pass of their own (:meth:`Generator.ride`); shared with the generator.
+    riders: set[int]
 
     def _copy(self) -> Any:
         moved = super()._copy()
-        moved.counters, moved.buckets = self.counters, self.buckets
+        moved.counters, moved.buckets, moved.riders = self.counters, self.buckets, self.riders
         return moved
 
     def prompt(self, tokens: list[list[int]]) -> None:
@@ -121,13 +124,17 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
 
     def generate(self, tokens: list[list[int]]) -> Any:
         # mlx-lm's own, but the new rows join a BoundGenerationBatch, whose constructor
-        # samples (and counts) their first token.
+        # samples (and counts) their first token; rows that all ride take no pass of their
+        # own: the batch's next decode step feeds their last prompt token.
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
+        ride = bool(self.uids) and self.riders.issuperset(self.uids)
+        self.riders.difference_update(self.uids)
         generation = BoundGenerationBatch(
             self.model,
             self.uids,
-            mx.array([t[-1] for t in tokens]),
+            # The dtype the sampler's tokens have, which riders' join in one array.
+            mx.array([t[-1] for t in tokens], dtype=mx.uint32),
             self.prompt_cache,
             self.tokens,
             self.samplers,
@@ -137,6 +144,7 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
             self.max_tokens,
             counters=self.counters,
             stage="first_token",
+            ride=ride,
         )
         self.uids, self.prompt_cache, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens = [], [], []
@@ -171,6 +179,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
         self._prompt_batch.counters = counters
+        self._prompt_batch.riders = set()
         if buckets:
             self._prompt_batch.buckets = Buckets(self.prefill_batch_size, self._blank)
         self._generation_batch = BoundGenerationBatch(  # mlx-lm's empty batch, counting
@@ -220,6 +229,17 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         for uid, (_, _, total) in zip(batch.uids, starting, strict=True):
             responses.append(PromptProcessingBatch.Response(uid, (total, total), True, True))
         self._generation_batch.extend(batch)
+
+    def ride(self, uids: list[int]) -> None:
+        """These inserted rows take their first token in the batch's next decode step, not
+        in a pass of their own (one model pass fewer while the batch waits; their first
+        token comes a step later): for rows no one waits on, such as a sweep's or a
+        resumed row's. Rows started together ride only if all of them do."""
+        self._prompt_batch.riders.update(uids)
+
+    def remove(self, uids: list[int], *args: Any, **kw: Any) -> Any:
+        self._prompt_batch.riders.difference_update(uids)
+        return super().remove(uids, *args, **kw)
 
     def _blank(self, n: int) -> list[Any]:
         caches = [make_prompt_cache(self.model, self.max_kv_size) for _ in range(n)]

@@ -167,8 +167,18 @@ class DecodeLoop:
             rows.append(job)
         self.sink.starts(starts)
         self.sink.chunks(resets)
+        # The first level's jobs take their first token in a pass of their own, as soon as
+        # their prefill ends; lower levels' (a sweep's) in the batch's next decode step,
+        # which spares the batch that pass. One level: every job is the first level's.
+        first = [j for j in rows if self.schedule.level(j) == 0]
+        later = [j for j in rows if self.schedule.level(j) > 0]
+        for group, ride in ((first, False), (later, True)):
+            if group:
+                self._add(group, ride)
+
+    def _add(self, rows: list[Job], ride: bool) -> None:
         try:
-            self.engine.add(rows)
+            self.engine.add(rows, ride=ride)
         except Exception as e:  # nothing of these reached MLX yet: theirs, not the batch's
             for job in rows:
                 self.ends.end(

@@ -197,6 +197,11 @@ COUNTERS = (
         "Tokens prefilled again for resumed rows whose KV was dropped",
     ),
     ("mlxq_decode_steps", "decode_steps", "Decode steps run"),
+    (
+        "mlxq_first_token_passes",
+        "first_token_passes",
+        "Of the decode steps, passes new rows took for their first token alone",
+    ),
     ("mlxq_constrained_rows", "constrained_rows", "Rows decoded under a constraint"),
     (
         "mlxq_constraint_compiles",

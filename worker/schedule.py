@@ -34,8 +34,9 @@ log = logging.getLogger("mlxq.worker")
 #: traffic), its freed rows may gather up to this many times ``--admit-hold-steps`` (16
 #: steps by default) for one prefill. Each interactive job leaves sweep rows out of step
 #: with the rest (the row it took, the row paused for it), and on a GPU each refill of a
-#: few rows costs two passes of their own (prompt, first token), about two decode steps of
-#: the whole batch: gathered a few steps at most, a sweep's rows split into more and more
+#: few rows costs a prefill pass of its own (and for the first level's rows a first-token
+#: pass: lower levels' ride in the next decode step, ``Engine.add``), a decode step or two
+#: of the whole batch: gathered a few steps at most, a sweep's rows split into more and more
 #: cohorts, each refilled apart. The gather rule's own bound (rows stand idle no longer
 #: than the refill they save would cost) keeps many rows from waiting long, and no job of
 #: a higher level ever waits for this. Longer (64 steps) refilled the sweep in fewer passes
