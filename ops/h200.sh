@@ -61,6 +61,7 @@ priority)
     jobs=10000 duration=40
     [ "$small" = 1 ] && jobs=300 duration=12
     jobs=${JOBS:-$jobs}  # JOBS=3000 PARTS=mix: a shorter look, idle, alone and both in one call
+    idle=${IDLE_JOBS:-60}  # interactive jobs on the idle worker, one every 0.5 s
     # The 10,000-job mix takes more than a call's 600 s there: PARTS=base,weights (idle,
     # the sweep alone, weights 3:1) in one call, then PARTS=both (the sweep beside the
     # interactive jobs, against the first call's figures, kept on the warm machine).
@@ -76,7 +77,7 @@ priority)
     name=priority-${parts//,/-}
     log "bench_priority $parts: sweep $jobs jobs ${WORKER_ARGS:-}"
     "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts "$parts" \
-        --sweep-jobs "$jobs" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
+        --sweep-jobs "$jobs" --idle-jobs "$idle" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
         --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" 2>&1 |
         tee "$OUT/$name.log"
     if [[ ",$parts," == *,base,* ]]; then cp "$OUT/$name.json" "$base"; fi
