@@ -131,3 +131,38 @@ def test_min_tokens_counts_what_a_row_made_before_its_pause(loaded):
             paused=["eos"],
         )
         assert got == alone
+
+
+def test_a_resumed_row_pauses_again_only_once_fed_its_last_token(loaded, unpaused):
+    """A resumed row rides: the step after it joins feeds it its last token. Until it made
+    a token again it stays when asked to pause (its KV lacks that token); after, it pauses
+    and goes on as if never paused, twice over."""
+    engine = Engine(*loaded, max_batch=8)
+    reqs = {**PAUSED, "bystander": BYSTANDER}
+    jobs = {name: Job(name, req, engine.encode(req)) for name, req in reqs.items()}
+    for job in jobs.values():
+        job.start("exec")
+    engine.add(list(jobs.values()))
+    held = [jobs[n] for n in PAUSED]
+    steps = 0
+    while engine.active:
+        apply_deltas(engine.step())
+        steps += 1
+        if steps == 4:
+            assert engine.pause(held) == 4
+        if steps == 6:
+            engine.resume(held)
+        if steps == 7:  # joined, not yet fed its last token
+            assert engine.riding() == {j.id for j in held}
+            assert engine.pause(held) == 0
+        if steps == 9:
+            assert engine.riding() == set()
+            assert engine.pause(held) == 4
+        if steps == 11:
+            engine.resume(held)
+    got = {
+        n: [(c.token_ids, "".join(c.text), c.finish_reason) for c in j.choices]
+        for n, j in jobs.items()
+    }
+    assert got == unpaused
+    assert engine.counters.preemptions == engine.counters.resumes == 8

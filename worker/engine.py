@@ -243,8 +243,13 @@ class Engine:
     def pause(self, jobs: Iterable[Job], *, keep_kv: bool = True) -> int:
         """Take jobs' rows out of the batch for now; each keeps its detokenizer, stop
         matcher and counters, and (``keep_kv``) its KV state, so :meth:`resume` goes on
-        where it stopped. Returns how many rows were paused."""
+        where it stopped. A row that rides and was not yet fed its last token
+        (:meth:`riding`) stays: its KV lacks that token. Returns how many rows were
+        paused."""
         rows = self._rows_of(jobs, RowStatus.RUNNING)
+        if any(r.uid in self._riding for r in rows):
+            log.warning("a row not yet fed its last token was asked to pause; it runs on")
+            rows = [r for r in rows if r.uid not in self._riding]
         kept = self._gen.take_out([row.uid for row in rows]) if rows else {}
         for row in rows:
             self.sampler.drop(row.uid)
@@ -302,6 +307,11 @@ class Engine:
             row.uid = uid
             self._join(row)
         self.counters.resumes += len(rows)
+
+    def riding(self) -> set[str]:
+        """The jobs with a row that rides and has made no token since it joined: not yet
+        fed its last token by a decode step, so it may not pause yet."""
+        return {self._rows[u].job.id for u in self._riding if u in self._rows}
 
     def _ride(self, uids: list[int]) -> None:
         self._gen.ride(uids)

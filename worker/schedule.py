@@ -162,11 +162,13 @@ class Scheduler:
         running = self.held.jobs(Status.RUNNING)
         if not running or max(self.level(j) for j in running) <= lowest_waiting:
             return False
+        riding = self.engine.riding()
         candidates = [
             Running(j.id, self.level(j), j.started_mono, j.pauses)
             for j in running
-            # Not before its first token: pausing a row in its prefill throws that away.
-            if j.id not in self.ends.fresh and j.generated > 0
+            # Not before its first token: pausing a row in its prefill throws that away;
+            # nor a row that rides before the step that feeds it its last token.
+            if j.id not in self.ends.fresh and j.generated > 0 and j.id not in riding
         ]
         ending = sum(n <= PAUSE_WAIT_STEPS for n in self.engine.steps_left())
         free = self.engine.free_slots + ending
