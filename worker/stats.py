@@ -88,9 +88,6 @@ class WorkerStats:
     #: them (``--admit-hold-steps``), and whether prefills are padded to bucketed shapes.
     admit_held_steps: int = 0
     prefill_buckets: bool = False
-    #: Of ``decode_steps``, the passes new rows took for their first token alone (a
-    #: lower level's rows and resumed rows take theirs in the batch's next step).
-    first_token_passes: int = 0
     #: What input the model takes: its context in tokens (0: it names none) and its
     #: vocabulary's size; a gateway refuses requests past them before they are queued.
     max_context: int = 0
@@ -114,6 +111,9 @@ class WorkerStats:
     #: ``prompt_cache``, ``step_other``, ``schedule``, ``intake`` (an idle worker's wait
     #: with it), ``inbox`` and ``post``.
     busy_ms: dict[str, float] = field(default_factory=dict)
+    #: Of ``decode_steps``, the passes new rows took for their first token alone (a
+    #: lower level's rows and resumed rows take theirs in the batch's next step).
+    first_token_passes: int = 0
 
     @property
     def state(self) -> str:
