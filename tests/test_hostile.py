@@ -566,8 +566,14 @@ def test_a_roll_of_another_type_never_stops_requeuing(redis_server, queue_name, 
     # Healed by the live worker's beats, so a later death is found through it again.
     _until(lambda: r.type(roll) == b"set" and r.sismember(roll, b.name))
     c = start_worker(max_batch=4)
-    # More than b holds (4 rows and 4 in reserve), so c gets some whichever claims first.
-    more = _long_jobs(client, 12, tokens=1900)
+    # More than b holds (4 rows and 4 in reserve), so c gets some whichever claims first;
+    # none stops early (min_tokens), or b could drain the queue before c claims.
+    more = client.submit_many(
+        [
+            dict(prompt=f"A later tale, part {i}", max_tokens=600, min_tokens=600, seed=i)
+            for i in range(12)
+        ]
+    )
     _until(lambda: r.llen(keys.wip_key(c.name)) > 0)
     c.signal(signal.SIGKILL)
     c.proc.wait(10)
