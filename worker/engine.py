@@ -113,7 +113,6 @@ class Engine:
             stop_tokens=[[t] for t in sorted(self._eos)],
         )
         self._rows: dict[int, Row] = {}  # by mlx-lm uid: the rows running, and paused
-        self._riding: set[int] = set()  # uids that ride (Generator.ride), till a token
         self._running = 0  # of those, the rows in the batch
         self._entries = LogprobEntries(tokenizer)
         self.reset()
@@ -154,7 +153,6 @@ class Engine:
         for row in self._rows.values():
             row.status = RowStatus.FINISHED
         self._rows.clear()
-        self._riding.clear()
         self._running = 0
 
     @property
@@ -174,8 +172,9 @@ class Engine:
     def steps_left(self) -> list[int]:
         """Each running row's most decode steps still to run (its ``max_tokens`` left,
         and the step a riding row is fed its last prompt token; it may end sooner)."""
+        riding = self._gen.riding()
         return [
-            r.job.request.max_tokens - r.generated + (uid in self._riding)
+            r.job.request.max_tokens - r.generated + (uid in riding)
             for uid, r in self._rows.items()
             if r.status is RowStatus.RUNNING
         ]
@@ -219,7 +218,7 @@ class Engine:
             stop_sequences=[StopSequences([[t] for t in sorted(s)]) for s in stops],
         )
         if ride:
-            self._ride(uids)
+            self._gen.ride(uids)
         for uid, (job, i), stop in zip(uids, rows, stops, strict=True):
             detok = Detokenizer(self.tokenizer, self._special)
             c = job.request.constraint
@@ -247,13 +246,13 @@ class Engine:
         (:meth:`riding`) stays: its KV lacks that token. Returns how many rows were
         paused."""
         rows = self._rows_of(jobs, RowStatus.RUNNING)
-        if any(r.uid in self._riding for r in rows):
+        riding = self._gen.riding()
+        if any(r.uid in riding for r in rows):
             log.warning("a row not yet fed its last token was asked to pause; it runs on")
-            rows = [r for r in rows if r.uid not in self._riding]
+            rows = [r for r in rows if r.uid not in riding]
         kept = self._gen.take_out([row.uid for row in rows]) if rows else {}
         for row in rows:
             self.sampler.drop(row.uid)
-            self._riding.discard(row.uid)
             self._running -= 1
             row.status = RowStatus.PAUSED
             row.kv, row.kv_tokens = kept.get(row.uid, (None, None))
@@ -302,20 +301,16 @@ class Engine:
             all_tokens=before,
             stop_sequences=[StopSequences([[t] for t in sorted(r.stop_tokens)]) for r in rows],
         )
-        self._ride(uids)  # no one waits on a resumed row's next token: no pass of its own
+        self._gen.ride(uids)  # no one waits on a resumed row's next token: no pass of its own
         for uid, row in zip(uids, rows, strict=True):
             row.uid = uid
             self._join(row)
         self.counters.resumes += len(rows)
 
     def riding(self) -> set[str]:
-        """The jobs with a row that rides and has made no token since it joined: not yet
-        fed its last token by a decode step, so it may not pause yet."""
-        return {self._rows[u].job.id for u in self._riding if u in self._rows}
-
-    def _ride(self, uids: list[int]) -> None:
-        self._gen.ride(uids)
-        self._riding.update(uids)
+        """The jobs with a row that rides and was not yet fed its last token by a decode
+        step, so it may not pause yet."""
+        return {self._rows[u].job.id for u in self._gen.riding() if u in self._rows}
 
     def _rows_of(self, jobs: Iterable[Job], status: RowStatus) -> list[Row]:
         ids = {j.id for j in jobs}
@@ -386,7 +381,6 @@ class Engine:
 
     def _on_token(self, row: Row, token: int, finish: str | None, logprob: Any) -> Delta:
         row.generated += 1
-        self._riding.discard(row.uid)
         detok = row.detok
         stop_token = finish == "stop" and token in row.stop_tokens
         if not stop_token:  # a stop token is no part of the text
@@ -414,7 +408,6 @@ class Engine:
 
     def _forget(self, row: Row) -> None:
         self._rows.pop(row.uid, None)
-        self._riding.discard(row.uid)
         if row.status is RowStatus.RUNNING:
             self._running -= 1
             self.sampler.drop(row.uid)

@@ -237,6 +237,13 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         resumed row's. Rows started together ride only if all of them do."""
         self._prompt_batch.riders.update(uids)
 
+    def riding(self) -> set[int]:
+        """The rows that ride and were not yet fed their last token: waiting for their
+        prefill, or in the batch before its next decode step."""
+        waiting: set[int] = self._prompt_batch.riders
+        riding: set[int] = self._generation_batch.riding
+        return waiting | riding
+
     def remove(self, uids: list[int], *args: Any, **kw: Any) -> Any:
         self._prompt_batch.riders.difference_update(uids)
         return super().remove(uids, *args, **kw)
