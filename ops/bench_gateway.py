@@ -53,7 +53,7 @@ from typing import Any
 
 import openai
 import redis
-from procs import commit, free_port, stop, version, wait_for
+from procs import MLXQ, commit, free_port, stop, version, wait_for
 from procs import start_redis as start_private_redis
 from procs import start_worker as start_mlxq_worker
 from words import WORDS as ALL_WORDS
@@ -61,7 +61,6 @@ from words import WORDS as ALL_WORDS
 from mlxq.producer import Client
 from mlxq.producer.info import collect
 
-MLXQ = Path(sys.executable).with_name("mlxq")
 WORDS = ALL_WORDS[:12]
 WAIT_S = 1800.0  # for any one stream: longer is broken, not slow
 

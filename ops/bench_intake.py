@@ -105,8 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             url, server = procs.start_redis(work, ["--maxclients", "10000"])
             started.append(server)
             model = work / "model"
-            mlxq = str(procs.MLXQ) if procs.MLXQ.exists() else "mlxq"
-            subprocess.run([mlxq, "model", "tiny", str(model)], check=True, capture_output=True)
+            subprocess.run(
+                [str(procs.MLXQ), "model", "tiny", str(model)], check=True, capture_output=True
+            )
             queue = "bench-intake"
             procs.start_worker(model, url, queue, work / "worker.log", started=started)
             base, _ = start_gateway(url, work, started)

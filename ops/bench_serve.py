@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -53,7 +52,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import bench_gateway
 import mlx.core as mx
 import procs
 import redis
@@ -680,8 +678,6 @@ def measure(args: argparse.Namespace, url: str, work: Path, started: list[Any]) 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     raise_fd_limit()
-    if not bench_gateway.MLXQ.exists():  # an install whose scripts are not beside python
-        bench_gateway.MLXQ = Path(shutil.which("mlxq") or sys.exit("mlxq not found"))
     started: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="mlxq-bench-serve-") as tmp:
         work = Path(tmp)

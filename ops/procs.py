@@ -26,7 +26,11 @@ from mlxq.producer.connection import connect
 from mlxq.producer.info import collect
 from mlxq.producer.keys import RQ_JOB
 
+#: This install's ``mlxq``: beside this python, else on PATH (an install whose scripts
+#: live elsewhere, as the GPU machine's).
 MLXQ = Path(sys.executable).with_name("mlxq")
+if not MLXQ.exists():
+    MLXQ = Path(shutil.which("mlxq") or MLXQ)
 
 
 def version(pkg: str) -> str | None:
@@ -124,7 +128,7 @@ def start_worker(
     caller's cleanup stops it even when it never comes up. ``exe``: another install's
     ``mlxq`` (default: this one's)."""
     if exe is None:
-        exe = str(MLXQ) if MLXQ.exists() else shutil.which("mlxq") or sys.exit("mlxq not found")
+        exe = str(MLXQ)
     name = f"bench-{uuid.uuid4().hex[:8]}"
     cmd = [exe, "worker", "--model", str(model), "--redis-url", url, "--queue", queue]
     with log.open("wb") as out:
