@@ -109,6 +109,7 @@ class Tally:
     # job id -> seconds from its submit to its first text (interactive jobs, and the soak
     # jobs the submitter follows: the sweep beside them)
     first_text_s: dict[str, float] = field(default_factory=dict)
+    sent_s: dict[str, float] = field(default_factory=dict)  # job id -> its submit, soak time
     chunks_seen: int = 0
     listener_errors: int = 0
     duplicates: int = 0
@@ -429,6 +430,7 @@ class Soak:
                 if sent is not None and c.text:
                     with self.t.lock:
                         self.t.first_text_s[job.id] = time.monotonic() - sent
+                        self.t.sent_s[job.id] = sent - self.t0
                     sent = None
                 seqs.append(c.seq)
                 text = "" if c.kind == "reset" else text + c.text
@@ -1214,6 +1216,16 @@ class Soak:
             (
                 "first text from submit",
                 f"interactive {first('interactive')}; soak jobs beside them {first('soak')}",
+            ),
+            (
+                "slowest interactive first texts",
+                ", ".join(
+                    f"{i} {1e3 * s:,.0f} ms (sent at {t.sent_s.get(i, 0):.1f}s)"
+                    for i, s in sorted(
+                        ((i, s) for i, s in t.first_text_s.items() if i in ids),
+                        key=lambda x: -x[1],
+                    )[:6]
+                ),
             ),
             (
                 "rows paused (must be > 0) / resumed",
