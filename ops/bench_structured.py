@@ -66,6 +66,15 @@ CHOICES = ["A", "B", "C", "D"]
 REGEX = r"[0-9]{3}-[0-9]{4} [a-z]{2,8}"
 
 
+def schema_ok(text: str) -> bool:
+    """Whether an answer parses as JSON and validates against :data:`SCHEMA`."""
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 def drive(engine: Engine, reqs: Sequence[GenerationRequest]) -> tuple[list[Job], float]:
     """Run every request to its end, filling the batch as rows free; (jobs, seconds)."""
     waiting = deque(reqs)
@@ -92,13 +101,6 @@ def validity(engine: Engine, n: int) -> None:
         ]
         jobs, _ = drive(engine, reqs)
         return 100 * sum(ok("".join(j.choices[0].text)) for j in jobs) / n
-
-    def schema_ok(text: str) -> bool:
-        try:
-            jsonschema.validate(json.loads(text), SCHEMA)
-        except (ValueError, jsonschema.ValidationError):
-            return False
-        return True
 
     print(f"validity over {n} answers each (temperature 1, distinct seeds):")
     print(f"  json_schema  {share({'json_schema': SCHEMA}, 128, schema_ok):6.2f}% valid")

@@ -33,10 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import openai
 from bench_gateway import raise_fd_limit, start_gateway
-from bench_structured import CHOICES, REGEX, SCHEMA
+from bench_structured import CHOICES, REGEX, SCHEMA, schema_ok
 from procs import MLXQ, start_redis, start_worker, stop
 
 QUEUE = "structured-paths"
@@ -54,14 +53,6 @@ KINDS: dict[str, tuple[dict[str, Any], int]] = {
     "choice": ({"structured_outputs": {"choice": CHOICES}}, 8),
     "regex": ({"structured_outputs": {"regex": REGEX}}, 48),
 }
-
-
-def schema_ok(text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
 
 
 CHECKS: dict[str, Callable[[str], bool]] = {
