@@ -38,7 +38,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from procs import MLXQ, free_port
 from rq import Queue
 from rq.registry import StartedJobRegistry, clean_registries
 from words import WORDS
@@ -87,7 +87,6 @@ GROUPS = [
     {"temperature": 1.0, "top_k": 20},
     {"temperature": 1.2, "min_p": 0.1},
 ]
-MLXQ = shutil.which("mlxq") or str(Path(sys.executable).with_name("mlxq"))
 
 
 @dataclass
@@ -157,12 +156,6 @@ def retry(fn: Callable[[], Any], within: float = 60) -> Any:
             time.sleep(0.2)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rss_mib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -217,7 +210,7 @@ class Cluster:
         self.ports[name] = free_port()
         self.workers[name] = subprocess.Popen(
             [
-                MLXQ,
+                str(MLXQ),
                 "worker",
                 "--model",
                 str(self.model),
@@ -1292,7 +1285,7 @@ def main() -> int:
     try:
         cluster.start_redis()
         subprocess.run(
-            [MLXQ, "model", "tiny", str(cluster.model)], check=True, stdout=subprocess.DEVNULL
+            [str(MLXQ), "model", "tiny", str(cluster.model)], check=True, stdout=subprocess.DEVNULL
         )
         ok = Soak(cluster, args).run()
     finally:
