@@ -5,6 +5,7 @@ a primary, two replicas and three sentinels on free loopback ports in a temp dir
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
@@ -28,10 +29,15 @@ class NoSentinel(RuntimeError):
     """This redis-server cannot run as a sentinel (a build without it)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports: every socket stays bound until all are picked
+    (one at a time, the kernel may hand back a port it just gave: two sentinels on one
+    port, the second unable to bind, and the first never seeing two others)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _wait(check: object, what: str, timeout: float = 60.0) -> None:
@@ -64,8 +70,8 @@ class SentinelRedis:
         self.exe, self.workdir = exe, workdir
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.killed_at = -FAILOVER_GAP_S
-        self.data_ports = [_free_port() for _ in range(3)]
-        self.sentinel_ports = [_free_port() for _ in range(3)]
+        ports = _free_ports(6)
+        self.data_ports, self.sentinel_ports = ports[:3], ports[3:]
         primary = self.data_ports[0]
         self._node(primary, None)
         for port in self.data_ports[1:]:
@@ -242,7 +248,7 @@ class SentinelRedis:
 
     def add_replica(self) -> int:
         """One more replica of the primary, in sync; its port."""
-        port = _free_port()
+        (port,) = _free_ports(1)
         self.data_ports.append(port)
         primary = self.master_port()
         self._node(port, primary)
