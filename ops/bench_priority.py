@@ -66,6 +66,8 @@ import redis.asyncio as aioredis
 from procs import MLXQ, commit, free_port, records, start_redis, start_worker, stop, version
 from prometheus_client.parser import text_string_to_metric_families
 from rq import Queue
+from stage_trace import read as read_trace
+from stage_trace import summary as trace_summary
 from words import WORDS
 
 from mlxq.producer import AsyncClient, AsyncJob, Client, Result
@@ -143,6 +145,8 @@ class Phase:
     problems: list[str] = field(default_factory=list)
     differs_from_alone: int | None = None  # sweep texts unlike the sweep alone's
     busy_ms: dict[str, float] = field(default_factory=dict)  # decode thread, by stage
+    span: tuple[float, float] | None = None  # perf_counter at its start and end
+    trace: str | None = None  # the worker's stage trace (--trace)
 
     def first_s(self) -> list[float]:
         return sorted(p.first_s for p in self.probes if p.first_s is not None)
@@ -185,6 +189,10 @@ class Served:
         log = Path(args.logs or work) / f"worker-{named}-{uuid.uuid4().hex[:4]}.log"
         self.started: list[subprocess.Popen[bytes]] = []
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.trace = None
+        if args.trace:  # the decode thread's stages, pass by pass (ops/stage_trace.py)
+            self.trace = str(Path(args.trace) / f"stages-{named}-{uuid.uuid4().hex[:4]}.jsonl")
+            env["MLXQ_TRACE_STAGES"] = self.trace
         try:
             self.name, self.proc = start_worker(
                 args.model, url, levels[0], log, extra, env=env, started=self.started
@@ -480,10 +488,12 @@ async def phases_on(served: Served, args: argparse.Namespace, names: list[str]) 
     try:
         await b.warm(sweep_q, chat_q)
         for name in names:
+            t0 = time.perf_counter()
             if name == "idle":
                 ph = await b.idle(chat_q)
             else:
                 ph = await b.sweep(name, sweep_q, None if name == "alone" else chat_q)
+            ph.span, ph.trace = (t0, time.perf_counter()), served.trace
             say(ph)
             out.append(ph)
         return out
@@ -824,6 +834,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--worker-args", default="", help='more worker options, e.g. "--window-ms 5"')
     ap.add_argument("--logs", help="keep the workers' logs in this folder (default: not kept)")
+    ap.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="each worker traces its decode thread's stages into this folder "
+        "(MLXQ_TRACE_STAGES); each phase's passes are summed by ops/stage_trace.py",
+    )
     ap.add_argument("--redis-url", help="use this Redis (default: start a private one)")
     ap.add_argument("--json", metavar="OUT", help="write every figure here")
     ap.add_argument(
@@ -913,6 +929,10 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
     if phases:
         print("\n" + table(phases, args))
         print("\n" + stage_table(phases))
+    for ph in phases.values():
+        if ph.trace and ph.span:
+            print(f"\n{ph.name}: the decode thread's passes, ms (--trace {ph.trace})")
+            print(trace_summary(read_trace(ph.trace, *ph.span), slowest=8))
     print()
     met = targets(phases, windows, int(wa) / int(wb))
     for what, figure, ok in met:
@@ -939,6 +959,8 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
                     "problems": ph.problems,
                     "differs_from_alone": ph.differs_from_alone,
                     "busy_ms": ph.busy_ms,
+                    "span_s": ph.span,
+                    "trace": ph.trace,
                 }
                 for n, ph in phases.items()
             },
@@ -954,8 +976,9 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.logs:
-        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    for folder in (args.logs, args.trace):
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mlxq-bench-prio-") as tmp:
         work = Path(tmp)
         server = None

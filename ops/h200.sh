@@ -74,13 +74,16 @@ priority)
     fi
     # WORKER_ARGS: more worker options, e.g. "--admit-hold-steps 16" (the sweep's refills
     # gathered up to 64 steps) for a PARTS=both run against the default's base.
-    name=priority-${parts//,/-}
+    name=priority-${parts//,/-}${TAG:+-$TAG}  # TAG: tells two runs of one call apart
+    # TRACE=1: each worker's decode thread, pass by pass (ops/stage_trace.py), gzipped.
+    [ "${TRACE:-0}" = 1 ] && extra+=(--trace "$OUT/trace-$name")
     log "bench_priority $parts: sweep $jobs jobs ${WORKER_ARGS:-}"
     "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts "$parts" \
         --sweep-jobs "$jobs" --idle-jobs "$idle" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
         --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" 2>&1 |
         tee "$OUT/$name.log"
     if [[ ",$parts," == *,base,* ]]; then cp "$OUT/$name.json" "$base"; fi
+    if [ -d "$OUT/trace-$name" ]; then gzip -f "$OUT/trace-$name"/*.jsonl; fi
     ;;
 serve)
     # Issue 22: the openai client through `mlxq serve` against direct and submit_many at

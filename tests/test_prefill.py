@@ -220,8 +220,8 @@ def test_bucketed_prefills_give_the_tokens_of_unpadded_ones(loaded, cache):
     for _ in range(2):  # the second round finds the first's prompts in the prompt cache
         assert _run(padded, reqs, [5, 1, 2]) == _run(plain, reqs, [5, 1, 2])
     shapes = padded.counters.prefill_shapes
-    assert all(r in (1, 2, 3, 4, 6, 8) and n >= 16 for r, n in shapes), shapes
-    assert {r for r, _ in plain.counters.prefill_shapes} & {5}  # unpadded: as it came
+    assert all(r in (1, 2, 3, 4, 6, 8) and n >= 16 and k >= n for r, n, k in shapes), shapes
+    assert {r for r, _, _ in plain.counters.prefill_shapes} & {5}  # unpadded: as it came
 
 
 def test_the_default_pads_only_on_cuda(loaded):

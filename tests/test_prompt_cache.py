@@ -193,6 +193,9 @@ def test_a_chat_turn_reuses_the_last_turns_prompt_and_reply(loaded):
         apply_deltas(engine.step())
     # The reply's last token was never fed to the model: it is the one token left over.
     assert engine.counters.prompt_tokens_cached - before >= len(turn) - 20
+    # The rest's pass attends to the cached turn too (a prefill shape counts its keys).
+    rest = [(n, k) for _, n, k in engine.counters.prefill_shapes if k > n]
+    assert rest and all(k >= len(turn) - 1 for _, k in rest), engine.counters.prefill_shapes
     plain = Engine(*loaded, max_batch=4, prompt_cache_bytes=0)
     again = Job("turn2", GenerationRequest(prompt="x", max_tokens=6), turn)
     again.start("exec")

@@ -49,3 +49,50 @@ def test_a_stage_that_raises_is_still_counted_and_the_stack_unwinds(clock):
     with s.on("after"):
         clock.now += 0.001
     assert s.snapshot() == {"after": 1.0, "inner": 2.0, "outer": 0.0}
+
+
+def test_the_trace_has_each_stage_as_it_ended_with_its_own_time_and_notes(
+    clock, tmp_path, monkeypatch
+):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import read, summary
+
+    path = tmp_path / "t.jsonl"
+    monkeypatch.setenv(stages_module.TRACE_ENV, str(path))
+    s = Stages.from_env()
+    with s.on("decode"):
+        s.note(rows=64, new=False)
+        clock.now += 0.015
+        with s.on("prefill"):
+            s.note(rows=1, width=64, keys=96, new=True)
+            clock.now += 0.040
+    s.note(rows=3)  # no stage open: nothing to note, no error
+    s._trace.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines == [
+        {
+            "t": 100.015,
+            "stage": "prefill",
+            "ms": 40.0,
+            "rows": 1,
+            "width": 64,
+            "keys": 96,
+            "new": True,
+        },
+        {"t": 100.0, "stage": "decode", "ms": 15.0, "rows": 64, "new": False},
+    ]
+    assert [x["stage"] for x in read(path, start=100.01)] == ["prefill"]
+    table = summary(read(path), slowest=1)
+    assert "prefill, new shape" in table and "1 x 64, 96, True, 40.0" in table
+
+
+def test_without_the_variable_nothing_is_traced(clock, monkeypatch):
+    monkeypatch.delenv(stages_module.TRACE_ENV, raising=False)
+    s = Stages.from_env()
+    with s.on("decode"):
+        s.note(rows=1)
+    assert s._trace is None and s.snapshot() == {"decode": 0.0}

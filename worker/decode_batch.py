@@ -54,17 +54,21 @@ class StepCounters:
     mask_ms: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
     #: Prefill forward passes by rows (how many passes prefilled that many prompts at
-    #: once), and the distinct (rows, padded length) shapes among them: each new shape
+    #: once), and the distinct (rows, padded length, keys attended) shapes among them
+    #: (a row with a cached prefix attends to it too): each new shape
     #: may cost a GPU backend a kernel build or an attention plan.
     prefill_batch_sizes: dict[int, int] = field(default_factory=dict)
-    prefill_shapes: set[tuple[int, int]] = field(default_factory=set)
+    prefill_shapes: set[tuple[int, int, int]] = field(default_factory=set)
     #: The decode thread's time by stage (:mod:`mlxq.worker.stages`).
-    stages: Stages = field(default_factory=Stages)
+    stages: Stages = field(default_factory=Stages.from_env)
 
-    def count_prefill(self, rows: int, length: int) -> None:
-        """One prefill pass over ``rows`` prompts, right-padded to ``length`` tokens."""
+    def count_prefill(self, rows: int, length: int, keys: int) -> None:
+        """One prefill pass over ``rows`` prompts, right-padded to ``length`` tokens,
+        attending to ``keys`` positions (what the rows' caches held before, and these)."""
         self.prefill_batch_sizes[rows] = self.prefill_batch_sizes.get(rows, 0) + 1
-        self.prefill_shapes.add((rows, length))
+        shape = (rows, length, keys)
+        self.stages.note(rows=rows, width=length, keys=keys, new=shape not in self.prefill_shapes)
+        self.prefill_shapes.add(shape)
 
     def count_step(self, rows: int, sampler_calls: int) -> None:
         """One decode step of ``rows`` rows, which called the sampler that many times."""
@@ -185,6 +189,7 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         sampler.bind(self.uids)
         rows, before = len(self.uids), sampler.calls
         with self.counters.stages.on(self._stage):
+            self.counters.stages.note(rows=rows, new=rows not in self.counters.batch_sizes)
             out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
         self.counters.first_token_passes += self._stage == "first_token"

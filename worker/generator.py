@@ -72,12 +72,13 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
         b = self.buckets
         if not tokens or b is None or len(tokens) != len(self.uids):
             if tokens:  # mlx-lm's own pass (and its error for a mismatch)
-                self.counters.count_prefill(len(tokens), max(len(t) for t in tokens))
+                n = max(len(t) for t in tokens)
+                self.counters.count_prefill(len(tokens), n, _held(self.prompt_cache) + n)
             super().prompt(tokens)
             return
         longest = max(len(t) for t in tokens)
         rows, width = prefill_shape(len(tokens), longest, b.max_rows, self.prefill_step_size)
-        self.counters.count_prefill(rows, width)
+        self.counters.count_prefill(rows, width, _held(self.prompt_cache) + width)
         self._prompt_as(tokens, rows, width, b)
 
     def _prompt_as(self, tokens: list[list[int]], rows: int, width: int, b: Buckets) -> None:
@@ -269,3 +270,10 @@ class Generator(BatchGenerator):  # type: ignore[misc]
                 kept[u] = ([row_copy(c, i, len(held)) for c in gen.prompt_cache], held)
         self.remove(uids)
         return kept
+
+
+def _held(caches: list[Any]) -> int:
+    """Positions a batch's caches hold (its first layer's), 0 for none or a kind of cache
+    that does not say."""
+    held = getattr(caches[0], "_idx", 0) if caches else 0
+    return held if isinstance(held, int) else 0

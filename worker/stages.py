@@ -7,26 +7,53 @@ the device (a prefill's ``eval``, a decode step's read of its tokens) also holds
 device work was queued before it. ``mlxq info --json`` shows them as ``busy_ms`` and
 Prometheus as ``mlxq_loop_seconds_total{stage=...}``: a benchmark that compares two runs
 reads which stage grew.
+
+``MLXQ_TRACE_STAGES=FILE`` in a worker's environment also writes each stage as it ends,
+one JSON line (``t``: its start on the thread's clock, s; ``stage``; ``ms``: its own
+time; and what the stage noted, such as a prefill pass's rows and key length): a
+benchmark reads which passes were slow, not only which stage grew. Off by default.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO, Any
+
+#: The environment variable naming a file each ended stage is written to.
+TRACE_ENV = "MLXQ_TRACE_STAGES"
 
 
 class Stages:
     """Milliseconds spent in each stage (exclusive of the stages nested in it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: IO[str] | None = None) -> None:
         self.ms: dict[str, float] = {}
         self._inner: list[float] = []  # per open stage: time its nested stages took
+        self._trace = trace
+        self._notes: list[dict[str, Any]] = []  # per open stage, when tracing
+
+    @classmethod
+    def from_env(cls) -> Stages:
+        """Stages that trace to the file ``MLXQ_TRACE_STAGES`` names, if it is set."""
+        path = os.environ.get(TRACE_ENV)
+        return cls(open(path, "a", buffering=1 << 16) if path else None)
+
+    def note(self, **fields: Any) -> None:
+        """What the innermost open stage did (rows, shapes), for the trace; free when
+        nothing is traced."""
+        if self._trace is not None and self._notes:
+            self._notes[-1].update(fields)
 
     @contextmanager
     def on(self, stage: str) -> Iterator[None]:
         start = time.perf_counter()
         self._inner.append(0.0)
+        if self._trace is not None:
+            self._notes.append({})
         try:
             yield
         finally:
@@ -34,7 +61,11 @@ class Stages:
             inner = self._inner.pop()
             if self._inner:
                 self._inner[-1] += took
-            self.ms[stage] = self.ms.get(stage, 0.0) + 1000 * (took - inner)
+            own = 1000 * (took - inner)
+            self.ms[stage] = self.ms.get(stage, 0.0) + own
+            if self._trace is not None:
+                line = {"t": round(start, 6), "stage": stage, "ms": round(own, 3)}
+                self._trace.write(json.dumps(line | self._notes.pop()) + "\n")
 
     def snapshot(self) -> dict[str, float]:
         """Each stage's milliseconds so far, rounded to microseconds."""

@@ -1,0 +1,102 @@
+"""Read a worker's stage trace (``MLXQ_TRACE_STAGES=FILE``): which passes were slow.
+
+``mlxq info --json``'s ``busy_ms`` says which stage of the decode thread grew; the trace
+has each stage as it ended (its start on the thread's clock, its own milliseconds, and
+what it noted: a prefill pass's rows, padded width, keys attended and whether that shape
+was new to the worker, a decode step's rows). This sums it by stage and splits the prefill
+passes by first-seen and seen shapes, over a span of the clock (a benchmark's phase).
+
+    MLXQ_TRACE_STAGES=/tmp/t.jsonl mlxq worker ...
+    python ops/stage_trace.py /tmp/t.jsonl [--from T0 --to T1] [--slowest 10]
+
+``ops/bench_priority.py --trace DIR`` sets the variable for each worker it starts and
+prints this table for each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Tally:
+    """Passes of one kind: how many, their milliseconds."""
+
+    ms: list[float] = field(default_factory=list)
+
+    def line(self, name: str) -> str:
+        if not self.ms:
+            return f"{name:<28} {0:>6}"
+        xs = sorted(self.ms)
+        p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+        return (
+            f"{name:<28} {len(xs):>6} {sum(xs):>10.1f} {statistics.mean(xs):>8.2f} "
+            f"{statistics.median(xs):>8.2f} {p99:>8.2f} {xs[-1]:>8.1f}"
+        )
+
+
+def read(path: str | Path, start: float | None = None, end: float | None = None) -> list[dict]:
+    """The trace's lines whose stage started within ``[start, end]`` (either open)."""
+    out = []
+    with open(path) as f:
+        for raw in f:
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue  # a line cut short by a worker's exit
+            t = line.get("t", 0.0)
+            if (start is None or t >= start) and (end is None or t <= end):
+                out.append(line)
+    return out
+
+
+def summary(lines: Iterable[dict[str, Any]], slowest: int = 0) -> str:
+    """Per stage (a pass of a shape new to the worker apart): passes, total, mean, p50,
+    p99 and most milliseconds; prefill passes of one row and of several; then the slowest
+    prefill passes."""
+    tallies: dict[str, Tally] = {}
+    prefills: list[dict[str, Any]] = []
+    for line in lines:
+        stage = line["stage"]
+        if stage == "prefill" and "rows" in line:
+            prefills.append(line)
+        if line.get("new"):  # the worker's first pass of this shape
+            stage = f"{stage}, new shape"
+        tallies.setdefault(stage, Tally()).ms.append(line["ms"])
+    head = f"{'stage':<28} {'passes':>6} {'ms':>10} {'mean':>8} {'p50':>8} {'p99':>8} {'most':>8}"
+    rows = [head] + [tallies[k].line(k) for k in sorted(tallies)]
+    if prefills:
+        one = [p["ms"] for p in prefills if p["rows"] == 1]
+        many = [p["ms"] for p in prefills if p["rows"] > 1]
+        rows.append(Tally(one).line("prefill of one row"))
+        rows.append(Tally(many).line("prefill of several rows"))
+        shapes = {(p["rows"], p["width"], p["keys"]) for p in prefills}
+        rows.append(f"prefill shapes (rows, width, keys): {len(shapes)}")
+    if slowest and prefills:
+        rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
+        for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:
+            rows.append(
+                f"  {p['rows']} x {p['width']}, {p['keys']}, {bool(p.get('new'))}, {p['ms']:.1f}"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("trace", help="a file a worker wrote under MLXQ_TRACE_STAGES")
+    ap.add_argument("--from", dest="start", type=float, help="from this clock time (s)")
+    ap.add_argument("--to", dest="end", type=float, help="to this clock time (s)")
+    ap.add_argument("--slowest", type=int, default=10, help="list this many prefill passes")
+    args = ap.parse_args(argv)
+    print(summary(read(args.trace, args.start, args.end), args.slowest))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
