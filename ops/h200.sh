@@ -82,7 +82,7 @@ priority)
         --sweep-jobs "$jobs" --idle-jobs "$idle" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
         --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" 2>&1 |
         tee "$OUT/$name.log"
-    if [[ ",$parts," == *,base,* ]]; then cp "$OUT/$name.json" "$base"; fi
+    if [[ ",$parts," == *,base,* || ",$parts," == *,mix,* ]]; then cp "$OUT/$name.json" "$base"; fi
     if [ -d "$OUT/trace-$name" ]; then gzip -f "$OUT/trace-$name"/*.jsonl; fi
     ;;
 serve)
