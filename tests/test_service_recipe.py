@@ -216,6 +216,7 @@ SAMPLES = {
     "redis_url": ("redis://10.0.0.9:6390/2", "redis_url", "redis://10.0.0.9:6390/2"),
     "queue": ("chat team-a:3,team-b:1 sweeps", "queues", ("chat", "team-a:3,team-b:1", "sweeps")),
     "preempt": ("1", "preempt", False),
+    "warm_up": ("1", "warm_up", False),
     "reserve_rows": ("2", "reserve_rows", 2),
     "max_pauses": ("5", "max_pauses", 5),
     "paused_kv_bytes": ("1000", "paused_kv_bytes", 1000),

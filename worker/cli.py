@@ -107,6 +107,14 @@ def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
     )
     ENV.add_switch(
         p,
+        "--no-warm-up",
+        dest="warm_up",
+        help="claim jobs as soon as the model is loaded; by default a few rows of each "
+        "common kind run through the batch first, so no job waits for MLX to build a "
+        "kernel or an attention plan it meets for the first time",
+    )
+    ENV.add_switch(
+        p,
         "--no-preempt",
         dest="preempt",
         help="never pause a running job for a higher level's; by default the youngest "
@@ -293,6 +301,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         redis_url=args.redis_url,
         queues=tuple(args.queue or ("default",)),
         preempt=args.preempt,
+        warm_up=args.warm_up,
         reserve_rows=args.reserve_rows,
         max_pauses=args.max_pauses,
         paused_kv_bytes=args.paused_kv_bytes,

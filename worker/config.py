@@ -111,6 +111,9 @@ class WorkerConfig:
             it (Redis ``WAIT``); until then the jobs are not freed. 0: do not wait.
         allow_mixed_models: Start even when live workers of its queues serve another
             model (by default it refuses: a job's answer would depend on the worker).
+        warm_up: Run a few rows of each common kind through the batch before the first
+            job (:mod:`mlxq.worker.warmup`), so no job's step waits for MLX to build a
+            kernel or an attention plan it meets first.
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -141,6 +144,7 @@ class WorkerConfig:
     prefill_buckets: bool | None = None
     allow_mixed_models: bool = False
     wait_replicas: int = 0
+    warm_up: bool = True
     levels: Levels = field(init=False)
 
     def __post_init__(self) -> None:

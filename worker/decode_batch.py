@@ -10,7 +10,7 @@ what the steps and prefills did.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, cast
 
 import mlx.core as mx
@@ -61,6 +61,17 @@ class StepCounters:
     prefill_shapes: set[tuple[int, int, int]] = field(default_factory=set)
     #: The decode thread's time by stage (:mod:`mlxq.worker.stages`).
     stages: Stages = field(default_factory=Stages.from_env)
+
+    def reset(self) -> None:
+        """Every count back to zero, in place (batches hold this object); the stage trace
+        goes on."""
+        for f in fields(self):
+            if f.name == "stages":
+                self.stages.ms.clear()
+            elif f.default_factory is not MISSING:
+                setattr(self, f.name, f.default_factory())
+            else:
+                setattr(self, f.name, f.default)
 
     def count_prefill(self, rows: int, length: int, keys: int) -> None:
         """One prefill pass over ``rows`` prompts, right-padded to ``length`` tokens,

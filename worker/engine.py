@@ -119,14 +119,20 @@ class Engine:
 
     @classmethod
     def for_worker(cls, config: WorkerConfig) -> Engine:
-        """The engine a worker's config asks for: its model, batch and prompt cache."""
-        return cls.load(
+        """The engine a worker's config asks for: its model, batch and prompt cache,
+        warmed up unless it says not to."""
+        engine = cls.load(
             config.model,
             max_batch=config.max_batch,
             prompt_cache_bytes=config.prompt_cache_bytes,
             paused_kv_bytes=config.paused_kv_bytes,
             prefill_buckets=config.prefill_buckets,
         )
+        if config.warm_up:
+            from mlxq.worker.warmup import warm_up
+
+            warm_up(engine)
+        return engine
 
     @classmethod
     def load(cls, path_or_repo: str, **kw: Any) -> Engine:

@@ -1,0 +1,74 @@
+"""The worker's warm-up: rows of each common kind once, before any job, and no trace of
+them after (counts, prompt cache), nor in any greedy or seeded job's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.producer.params import GenerationRequest, SamplingParams
+
+mlx_lm = pytest.importorskip("mlx_lm")
+
+from mlxq.worker.engine import Engine  # noqa: E402
+from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
+from mlxq.worker.warmup import ROUNDS, warm_up  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return mlx_lm.load(str(tiny_model))
+
+
+def _tokens(engine: Engine) -> dict[str, list[int]]:
+    reqs = {
+        "greedy": GenerationRequest(prompt="one two three", max_tokens=12),
+        "seeded": GenerationRequest(
+            prompt="four five", max_tokens=12, sampling=SamplingParams(temperature=0.9, seed=3)
+        ),
+        "top_p": GenerationRequest(
+            prompt="six", max_tokens=12, sampling=SamplingParams(temperature=0.7, top_p=0.8, seed=4)
+        ),
+    }
+    jobs = {}
+    for name, req in reqs.items():
+        jobs[name] = Job(name, req, engine.encode(req))
+        jobs[name].start("exec")
+    engine.add(list(jobs.values()))
+    while engine.active:
+        apply_deltas(engine.step())
+    return {name: job.token_ids for name, job in jobs.items()}
+
+
+def test_warm_up_runs_every_round_then_leaves_no_count_and_no_cached_prompt(loaded):
+    engine = Engine(*loaded, max_batch=8, prompt_cache_bytes=1 << 24)
+    took = warm_up(engine)
+    assert took > 0 and engine.active == 0
+    c = engine.counters
+    assert (c.decode_steps, c.tokens_generated, c.prompt_tokens, c.first_token_passes) == (0,) * 4
+    assert not c.prefill_shapes and not c.batch_sizes and not c.stages.ms
+    assert engine.prompt_cache is not None and engine.prompt_cache.nbytes == 0
+    with pytest.raises(RuntimeError):  # only before the first job
+        engine.add([Job("x", GenerationRequest(prompt="x", max_tokens=2), [1, 2])])
+        warm_up(engine)
+
+
+def test_warm_up_runs_its_rows_through_the_batch(loaded, monkeypatch):
+    """Every round's rows decoded (counted before the counts are zeroed)."""
+    engine = Engine(*loaded, max_batch=8)
+    seen = {}
+    real = engine.counters.reset
+
+    def keep() -> None:
+        seen.update(steps=engine.counters.decode_steps, tokens=engine.counters.tokens_generated)
+        real()
+
+    monkeypatch.setattr(engine.counters, "reset", keep)
+    warm_up(engine)
+    rows = sum(len(kinds) for kinds, _ in ROUNDS)
+    assert seen["tokens"] >= rows and seen["steps"] >= len(ROUNDS)
+
+
+def test_greedy_and_seeded_tokens_are_those_of_a_worker_without_it(loaded):
+    warmed = Engine(*loaded, max_batch=8)
+    warm_up(warmed)
+    assert _tokens(warmed) == _tokens(Engine(*loaded, max_batch=8))
