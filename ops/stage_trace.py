@@ -26,18 +26,21 @@ from typing import Any
 
 @dataclass
 class Tally:
-    """Passes of one kind: how many, their milliseconds."""
+    """Passes of one kind: how many, their milliseconds (and, traced with
+    ``MLXQ_TRACE_SYNC=1``, how much of those was waiting for the device)."""
 
     ms: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
 
     def line(self, name: str) -> str:
         if not self.ms:
             return f"{name:<28} {0:>6}"
         xs = sorted(self.ms)
         p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+        waited = f" {sum(self.wait):>10.1f}" if self.wait else ""
         return (
             f"{name:<28} {len(xs):>6} {sum(xs):>10.1f} {statistics.mean(xs):>8.2f} "
-            f"{statistics.median(xs):>8.2f} {p99:>8.2f} {xs[-1]:>8.1f}"
+            f"{statistics.median(xs):>8.2f} {p99:>8.2f} {xs[-1]:>8.1f}{waited}"
         )
 
 
@@ -68,8 +71,13 @@ def summary(lines: Iterable[dict[str, Any]], slowest: int = 0) -> str:
             prefills.append(line)
         if line.get("new"):  # the worker's first pass of this shape
             stage = f"{stage}, new shape"
-        tallies.setdefault(stage, Tally()).ms.append(line["ms"])
+        tally = tallies.setdefault(stage, Tally())
+        tally.ms.append(line["ms"])
+        if "wait_ms" in line:
+            tally.wait.append(line["wait_ms"])
     head = f"{'stage':<28} {'passes':>6} {'ms':>10} {'mean':>8} {'p50':>8} {'p99':>8} {'most':>8}"
+    if any(t.wait for t in tallies.values()):
+        head += f" {'device ms':>10}"
     rows = [head] + [tallies[k].line(k) for k in sorted(tallies)]
     if prefills:
         one = [p["ms"] for p in prefills if p["rows"] == 1]

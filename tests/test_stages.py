@@ -96,3 +96,21 @@ def test_without_the_variable_nothing_is_traced(clock, monkeypatch):
     with s.on("decode"):
         s.note(rows=1)
     assert s._trace is None and s.snapshot() == {"decode": 0.0}
+
+
+def test_a_synced_trace_writes_each_stages_wait_for_the_device(clock, tmp_path):
+    import json
+
+    waits = []
+
+    def sync() -> None:  # the device: busy 3 ms past each stage's host work
+        waits.append(clock.now)
+        clock.now += 0.003
+
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        s = Stages(f, sync)
+        with s.on("decode"):
+            clock.now += 0.010
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert (line["ms"], line["wait_ms"], len(waits)) == (13.0, 3.0, 1)

@@ -12,6 +12,10 @@ reads which stage grew.
 one JSON line (``t``: its start on the thread's clock, s; ``stage``; ``ms``: its own
 time; and what the stage noted, such as a prefill pass's rows and key length): a
 benchmark reads which passes were slow, not only which stage grew. Off by default.
+``MLXQ_TRACE_SYNC=1`` beside it waits for the device at the end of every stage and
+writes that wait as ``wait_ms`` (part of ``ms``): each pass's own device time, where MLX
+would have overlapped it with the host's next stage (so the run is slower; for
+attribution only).
 """
 
 from __future__ import annotations
@@ -19,28 +23,41 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
 #: The environment variable naming a file each ended stage is written to.
 TRACE_ENV = "MLXQ_TRACE_STAGES"
+#: The environment variable that makes each traced stage wait for the device as it ends.
+SYNC_ENV = "MLXQ_TRACE_SYNC"
 
 
 class Stages:
     """Milliseconds spent in each stage (exclusive of the stages nested in it)."""
 
-    def __init__(self, trace: IO[str] | None = None) -> None:
+    def __init__(
+        self, trace: IO[str] | None = None, sync: Callable[[], None] | None = None
+    ) -> None:
         self.ms: dict[str, float] = {}
         self._inner: list[float] = []  # per open stage: time its nested stages took
         self._trace = trace
+        self._sync = sync if trace is not None else None
         self._notes: list[dict[str, Any]] = []  # per open stage, when tracing
 
     @classmethod
     def from_env(cls) -> Stages:
-        """Stages that trace to the file ``MLXQ_TRACE_STAGES`` names, if it is set."""
+        """Stages that trace to the file ``MLXQ_TRACE_STAGES`` names, if it is set (and
+        wait for the device at each stage's end if ``MLXQ_TRACE_SYNC=1``)."""
         path = os.environ.get(TRACE_ENV)
-        return cls(open(path, "a", buffering=1 << 16) if path else None)
+        if not path:
+            return cls()
+        sync = None
+        if os.environ.get(SYNC_ENV) == "1":
+            import mlx.core as mx
+
+            sync = mx.synchronize
+        return cls(open(path, "a", buffering=1 << 16), sync)
 
     def note(self, **fields: Any) -> None:
         """What the innermost open stage did (rows, shapes), for the trace; free when
@@ -57,6 +74,10 @@ class Stages:
         try:
             yield
         finally:
+            if self._sync is not None:
+                waited = time.perf_counter()
+                self._sync()
+                self._notes[-1]["wait_ms"] = round(1000 * (time.perf_counter() - waited), 3)
             took = time.perf_counter() - start
             inner = self._inner.pop()
             if self._inner:
