@@ -51,7 +51,7 @@ def test_the_stats_record_keeps_its_keys_in_their_order():
         "held_by_queue", "prefill_batch_sizes", "prefill_shapes", "window_sizes", "claim_calls",
         "jobs_claimed", "admit_held_steps", "prefill_buckets", "max_context", "vocab_size",
         "model_digest", "constrained_rows", "constraint_compiles", "mask_ms", "tool_format",
-        "window_max_ms", "busy_ms", "first_token_passes",
+        "window_max_ms", "busy_ms", "first_token_passes", "admit_hold_steps",
     ]  # fmt: skip
     assert stats.as_record()["batch_sizes"] == {"2": 3}
     assert stats.state == "idle"

@@ -294,7 +294,9 @@ def test_the_worker_options_reach_its_config():
     add_worker_arguments(p)
     base = ["--model", "m"]
     default = config_from(p.parse_args(base))
-    assert (default.admit_hold_steps, default.prefill_buckets) == (4, None)
+    assert (default.admit_hold_steps, default.prefill_buckets) == (None, None)  # auto
+    auto = ["--admit-hold-steps", "AUTO", "--prefill-buckets", "auto"]
+    assert config_from(p.parse_args([*base, *auto])).admit_hold_steps is None
     on = ["--admit-hold-steps", "0", "--prefill-buckets", "on"]
     chosen = config_from(p.parse_args([*base, *on]))
     assert (chosen.admit_hold_steps, chosen.prefill_buckets) == (0, True)
@@ -316,3 +318,31 @@ def test_a_sweeps_waiting_rows_gather_longer_and_no_higher_levels_do():
     assert s._hold([]) is None
     one = WorkerConfig("m", queues=("a,b",), admit_hold_steps=5)  # one level: the rule's own
     assert Scheduler(one, None, None, None)._hold([job("a")]) is None  # type: ignore[arg-type]
+
+
+def test_auto_hold_steps_are_more_where_mlx_runs_on_cuda_and_a_number_wins():
+    from types import SimpleNamespace
+
+    from mlxq.worker.config import CUDA_ADMIT_HOLD_STEPS, DEFAULT_ADMIT_HOLD_STEPS, WorkerConfig
+    from mlxq.worker.schedule import hold_steps
+
+    cuda, cpu = SimpleNamespace(on_cuda=True), SimpleNamespace(on_cuda=False)
+    auto = WorkerConfig("m")
+    assert hold_steps(auto, cuda) == CUDA_ADMIT_HOLD_STEPS == 16  # type: ignore[arg-type]
+    assert hold_steps(auto, cpu) == DEFAULT_ADMIT_HOLD_STEPS == 4  # type: ignore[arg-type]
+    assert hold_steps(auto, None) == 4
+    assert hold_steps(WorkerConfig("m", admit_hold_steps=0), cuda) == 0  # type: ignore[arg-type]
+
+
+def test_a_bad_hold_steps_value_names_itself(capsys):
+    import argparse
+
+    from mlxq.worker.cli import add_worker_arguments
+
+    p = argparse.ArgumentParser()
+    add_worker_arguments(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--admit-hold-steps", "lots"])
+    assert "--admit-hold-steps: 'lots': give decode steps (an integer) or auto" in (
+        capsys.readouterr().err
+    )

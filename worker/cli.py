@@ -51,6 +51,18 @@ def _bytes_or_auto(text: str) -> int | None:
     return n
 
 
+def _steps_or_auto(text: str) -> int | None:
+    """``auto`` (None: decided where MLX is loaded) or a whole number of decode steps."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give decode steps (an integer) or auto"
+        ) from None
+
+
 def add_worker(p: argparse.ArgumentParser) -> None:
     """``mlxq worker``'s description and arguments."""
     p.description = WORKER_DESCRIPTION
@@ -174,11 +186,13 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
     ENV.add(
         p,
         "--admit-hold-steps",
-        type=int,
-        default=c.DEFAULT_ADMIT_HOLD_STEPS,
+        type=_steps_or_auto,
+        default=None,
+        shown="auto",
         help="while the batch decodes, let jobs that arrive gather for up to this many "
         "decode steps, so they share one prefill (jobs sent one HTTP request at a time); "
-        "0 takes each in at once",
+        f"0 takes each in at once; auto: {c.CUDA_ADMIT_HOLD_STEPS} with MLX on CUDA, "
+        f"else {c.DEFAULT_ADMIT_HOLD_STEPS}",
     )
     ENV.add(
         p,

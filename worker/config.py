@@ -29,6 +29,11 @@ DEFAULT_MAX_WAIT_STEPS = 32
 #: Decode steps a busy batch lets waiting jobs gather before their prefill (see
 #: ``mlxq.batching.prefill.Gather``): a few, so rows freed one by one go back as a group.
 DEFAULT_ADMIT_HOLD_STEPS = 4
+#: The same where MLX runs on CUDA (``--admit-hold-steps auto``): there a refill pass
+#: costs a few decode steps of the whole batch whatever its rows, so rows may wait longer
+#: to refill together. An H100 with a 1,500-job sweep beside chat jobs: the sweep at 0.712
+#: of alone with 4, 0.810 with 16 (docs/benchmarks.md).
+CUDA_ADMIT_HOLD_STEPS = 16
 #: Prometheus scrapes from another machine, as it does node exporters: every interface.
 DEFAULT_METRICS_HOST = "0.0.0.0"
 #: The prompt cache is on, sized from the device (None: ``auto``); 0 turns it off.
@@ -40,7 +45,8 @@ MAX_QUEUE_CHARS = 128
 
 
 def _check_prefill(admit_hold_steps: object, prefill_buckets: object) -> None:
-    integer_in("admit_hold_steps", admit_hold_steps, 0, 1000)
+    if admit_hold_steps is not None:
+        integer_in("admit_hold_steps", admit_hold_steps, 0, 1000, note=" or None (auto)")
     if prefill_buckets is not None and not isinstance(prefill_buckets, bool):
         raise ValueError(f"prefill_buckets={prefill_buckets!r}: give True, False or None (auto)")
 
@@ -104,7 +110,9 @@ class WorkerConfig:
             pause's KV is dropped (it resumes by prefilling again). None: the prompt
             cache's budget (its own, beside it).
         admit_hold_steps: While the batch decodes, how many steps waiting jobs may gather
-            before their prefill (``mlxq.batching.prefill.Gather``); 0: none.
+            before their prefill (``mlxq.batching.prefill.Gather``); 0: none. None (the
+            default): :data:`CUDA_ADMIT_HOLD_STEPS` where MLX runs on CUDA, else
+            :data:`DEFAULT_ADMIT_HOLD_STEPS`.
         prefill_buckets: Pad prefill passes to a few bucketed shapes, so a GPU backend's
             per-shape plans are reused; None (the default): on where MLX runs on CUDA.
         wait_replicas: A flush of ends counts as written once this many replicas confirm
@@ -140,7 +148,7 @@ class WorkerConfig:
     reserve_rows: int = 0
     max_pauses: int = DEFAULT_MAX_PAUSES
     paused_kv_bytes: int | None = None
-    admit_hold_steps: int = DEFAULT_ADMIT_HOLD_STEPS
+    admit_hold_steps: int | None = None
     prefill_buckets: bool | None = None
     allow_mixed_models: bool = False
     wait_replicas: int = 0

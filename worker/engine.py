@@ -96,8 +96,11 @@ class Engine:
         self.paused_kv_budget = paused_kv_bytes
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.counters = StepCounters()
+        #: Whether MLX runs this model on CUDA (where defaults that weigh a pass's cost
+        #: differ: ``prefill_buckets``, the scheduler's ``admit_hold_steps``).
+        self.on_cuda = _on_cuda()
         if prefill_buckets is None:
-            prefill_buckets = _on_cuda()
+            prefill_buckets = self.on_cuda
         self.prefill_buckets = prefill_buckets
         self.max_context = context_length(model)
         self.vocab_size = vocab_size(model, tokenizer)

@@ -22,7 +22,7 @@ from collections import Counter
 from mlxq.batching.admission import AdmissionPolicy, admit
 from mlxq.batching.levels import Running, Shares, to_pause
 from mlxq.batching.prefill import Gather
-from mlxq.worker.config import WorkerConfig
+from mlxq.worker.config import CUDA_ADMIT_HOLD_STEPS, DEFAULT_ADMIT_HOLD_STEPS, WorkerConfig
 from mlxq.worker.endings import Endings
 from mlxq.worker.engine import Engine
 from mlxq.worker.held import Held
@@ -62,7 +62,9 @@ class Scheduler:
     def __init__(self, config: WorkerConfig, engine: Engine, held: Held, ends: Endings) -> None:
         self.config, self.engine, self.held, self.ends = config, engine, held, ends
         self.policy = AdmissionPolicy(config.max_batch, config.max_wait_steps)
-        self.gather = Gather(config.admit_hold_steps)
+        #: ``admit_hold_steps``, ``auto`` decided by where MLX runs the model.
+        self.hold_steps = hold_steps(config, engine)
+        self.gather = Gather(self.hold_steps)
         self.shares = Shares(config.levels)
         self._level = {q: config.levels.level_of(q) for q in config.levels.queues}
         self._levels = len(config.levels.levels)
@@ -118,7 +120,7 @@ class Scheduler:
         of several levels (:data:`LOWEST_HOLD_FACTOR`), else the rule's own (None)."""
         lowest = self._levels - 1
         if lowest > 0 and buffered and all(self.level(j) == lowest for j in buffered):
-            return LOWEST_HOLD_FACTOR * self.config.admit_hold_steps
+            return LOWEST_HOLD_FACTOR * self.hold_steps
         return None
 
     def left(self, job: Job) -> None:
@@ -190,3 +192,12 @@ class Scheduler:
                 job.generated,
             )
         return True
+
+
+def hold_steps(config: WorkerConfig, engine: Engine | None) -> int:
+    """The config's ``admit_hold_steps``; for None (``auto``), more where MLX runs on CUDA,
+    where a refill pass costs a few decode steps whatever its rows."""
+    if config.admit_hold_steps is not None:
+        return config.admit_hold_steps
+    on_cuda = engine is not None and engine.on_cuda
+    return CUDA_ADMIT_HOLD_STEPS if on_cuda else DEFAULT_ADMIT_HOLD_STEPS
