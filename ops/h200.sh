@@ -72,8 +72,8 @@ priority)
         [ -f "$base" ] || { echo "no $base: run PARTS=base first on this machine" >&2; exit 2; }
         extra=(--baseline "$base")
     fi
-    # WORKER_ARGS: more worker options, e.g. "--admit-hold-steps 16" (the sweep's refills
-    # gathered up to 64 steps) for a PARTS=both run against the default's base.
+    # WORKER_ARGS: more worker options, e.g. "--admit-hold-steps 4" (the CPU's hold: a
+    # sweep's refills gathered up to 16 steps) for a PARTS=both run against the default's.
     name=priority-${parts//,/-}${TAG:+-$TAG}  # TAG: tells two runs of one call apart
     # TRACE=1: each worker's decode thread, pass by pass (ops/stage_trace.py), gzipped.
     [ "${TRACE:-0}" = 1 ] && extra+=(--trace "$OUT/trace-$name")
@@ -83,7 +83,12 @@ priority)
         --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" 2>&1 |
         tee "$OUT/$name.log"
     if [[ ",$parts," == *,base,* || ",$parts," == *,mix,* ]]; then cp "$OUT/$name.json" "$base"; fi
-    if [ -d "$OUT/trace-$name" ]; then gzip -f "$OUT/trace-$name"/*.jsonl; fi
+    # One file for the traces and the workers' logs: a device call brings back 8 files.
+    packed=()
+    for d in "trace-$name" "logs-$name"; do [ -d "$OUT/$d" ] && packed+=("$d"); done
+    if [ ${#packed[@]} -gt 0 ]; then
+        tar czf "$OUT/$name-logs.tgz" -C "$OUT" "${packed[@]}" && (cd "$OUT" && rm -rf "${packed[@]}")
+    fi
     ;;
 serve)
     # Issue 22: the openai client through `mlxq serve` against direct and submit_many at

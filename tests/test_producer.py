@@ -89,7 +89,7 @@ def test_worker_help_shows_the_real_defaults_without_mlx():
         ("--max-batch", config.DEFAULT_MAX_BATCH),
         ("--stream-interval-ms", config.DEFAULT_STREAM_INTERVAL_MS),
         ("--grace-s", config.DEFAULT_GRACE_S),
-        ("--admit-hold-steps", config.DEFAULT_ADMIT_HOLD_STEPS),
+        ("--admit-hold-steps", "auto"),
         ("--prefill-buckets", "auto"),
     ):
         env = "MLXQ_" + flag[2:].replace("-", "_").upper()  # each reads its variable first

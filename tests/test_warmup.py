@@ -72,3 +72,27 @@ def test_greedy_and_seeded_tokens_are_those_of_a_worker_without_it(loaded):
     warmed = Engine(*loaded, max_batch=8)
     warm_up(warmed)
     assert _tokens(warmed) == _tokens(Engine(*loaded, max_batch=8))
+
+
+def test_a_worker_whose_warm_up_fails_starts_clean_and_serves(tiny_model, monkeypatch, caplog):
+    from mlxq.worker import warmup
+    from mlxq.worker.config import WorkerConfig
+
+    def half_way(engine: Engine) -> float:  # rows in the batch, then an error
+        engine.add(
+            [
+                Job(
+                    "w",
+                    GenerationRequest(prompt="x y", max_tokens=3),
+                    engine.encode(GenerationRequest(prompt="x y", max_tokens=3)),
+                )
+            ]
+        )
+        engine.step()
+        raise RuntimeError("no kernel for this model")
+
+    monkeypatch.setattr(warmup, "warm_up", half_way)
+    engine = Engine.for_worker(WorkerConfig(str(tiny_model), prompt_cache_bytes=0))
+    assert "warm-up skipped: RuntimeError: no kernel for this model" in caplog.text
+    assert engine.active == 0 and engine.counters.decode_steps == 0
+    assert len(_tokens(engine)["greedy"]) == 12

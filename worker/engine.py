@@ -134,7 +134,12 @@ class Engine:
         if config.warm_up:
             from mlxq.worker.warmup import warm_up
 
-            warm_up(engine)
+            try:
+                warm_up(engine)
+            except Exception as e:  # a model it cannot warm still serves; start clean
+                log.warning("warm-up skipped: %s: %s", type(e).__name__, e)
+                engine.reset()
+                engine.counters.reset()
         return engine
 
     @classmethod
