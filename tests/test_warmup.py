@@ -46,6 +46,7 @@ def test_warm_up_runs_every_round_then_leaves_no_count_and_no_cached_prompt(load
     c = engine.counters
     assert (c.decode_steps, c.tokens_generated, c.prompt_tokens, c.first_token_passes) == (0,) * 4
     assert not c.prefill_shapes and not c.batch_sizes and not c.stages.ms
+    assert c.seen  # what it built stays known: a job's pass of those shapes is not new
     assert engine.prompt_cache is not None and engine.prompt_cache.nbytes == 0
     with pytest.raises(RuntimeError):  # only before the first job
         engine.add([Job("x", GenerationRequest(prompt="x", max_tokens=2), [1, 2])])

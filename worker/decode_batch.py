@@ -61,11 +61,16 @@ class StepCounters:
     prefill_shapes: set[tuple[int, int, int]] = field(default_factory=set)
     #: The decode thread's time by stage (:mod:`mlxq.worker.stages`).
     stages: Stages = field(default_factory=Stages.from_env)
+    #: Every prefill shape and decode batch size this process met, kept by :meth:`reset`
+    #: (the stage trace marks a pass of a shape new to the process).
+    seen: set[tuple[int, ...]] = field(default_factory=set)
 
     def reset(self) -> None:
         """Every count back to zero, in place (batches hold this object); the stage trace
-        goes on."""
+        goes on, and the shapes seen are kept."""
         for f in fields(self):
+            if f.name == "seen":
+                continue
             if f.name == "stages":
                 self.stages.ms.clear()
             elif f.default_factory is not MISSING:
@@ -78,8 +83,9 @@ class StepCounters:
         attending to ``keys`` positions (what the rows' caches held before, and these)."""
         self.prefill_batch_sizes[rows] = self.prefill_batch_sizes.get(rows, 0) + 1
         shape = (rows, length, keys)
-        self.stages.note(rows=rows, width=length, keys=keys, new=shape not in self.prefill_shapes)
+        self.stages.note(rows=rows, width=length, keys=keys, new=shape not in self.seen)
         self.prefill_shapes.add(shape)
+        self.seen.add(shape)
 
     def count_step(self, rows: int, sampler_calls: int) -> None:
         """One decode step of ``rows`` rows, which called the sampler that many times."""
@@ -200,7 +206,8 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         sampler.bind(self.uids)
         rows, before = len(self.uids), sampler.calls
         with self.counters.stages.on(self._stage):
-            self.counters.stages.note(rows=rows, new=rows not in self.counters.batch_sizes)
+            self.counters.stages.note(rows=rows, new=(rows,) not in self.counters.seen)
+            self.counters.seen.add((rows,))
             out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
         self.counters.first_token_passes += self._stage == "first_token"
