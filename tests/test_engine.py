@@ -152,22 +152,25 @@ def test_prompt_longer_than_the_context_is_refused(loaded):
         engine.encode(_req("word " * 3000, 16))
 
 
-def test_a_row_added_beside_a_busy_batch_has_its_first_token_in_two_steps(loaded):
-    """Its prefill runs in the first step after it is added and its first token comes out
-    of the next one: no extra decode step of the whole batch in between (mlx-lm alone
-    takes three), and its tokens are those it makes alone."""
+@pytest.mark.parametrize(("ride", "calls"), [(False, 1), (True, 3)], ids=["own-pass", "rides"])
+def test_a_row_added_beside_a_busy_batch_has_its_first_token_at_once(loaded, ride, calls):
+    """Beside a busy batch, a new row's prefill and first-token pass run before the
+    batch's decode step, so its first token comes out of the very step it is prefilled in
+    (mlx-lm's order, decode then prefill, takes three); a row that rides takes no pass of
+    its own: the next step feeds its last prompt token and the one after emits its first.
+    Its tokens are those it makes alone either way."""
     engine = _engine(loaded)
     busy = {f"b{i}": _job(engine, f"b{i}", _req(f"Busy row {i}", 40)) for i in range(4)}
     engine.add(list(busy.values()))
     for _ in range(3):
         apply_deltas(engine.step())
     new = _job(engine, "new", _req("A chat turn arrives", 8))
-    engine.add([new])
+    engine.add([new], ride=ride)
     steps = 0
     while not new.token_ids:
         apply_deltas(engine.step())
         steps += 1
-    assert steps == 2
+    assert steps == calls
     while engine.active:
         apply_deltas(engine.step())
     assert new.token_ids == _solo(loaded, "new", _req("A chat turn arrives", 8))

@@ -234,7 +234,7 @@ def test_the_default_pads_only_on_cuda(loaded):
 
 
 def test_gathered_refills_join_cohorts_of_equal_jobs(loaded):
-    """Jobs of one length that started in cohorts a step or two apart (a gateway's burst)
+    """Jobs of one length that started in cohorts a step apart (a gateway's burst)
     refill as one cohort once their rows wait for each other: fewer prefills, fuller steps."""
     model, tok = loaded
 
@@ -246,7 +246,7 @@ def test_gathered_refills_join_cohorts_of_equal_jobs(loaded):
             GenerationRequest(prompt=f"job {i}", max_tokens=6, logits=no_eos) for i in range(40)
         ]
         jobs = _jobs(engine, reqs)
-        arrivals, queue, waiting, step = [2, 3, 3], list(jobs), [], 0
+        arrivals, queue, waiting, step = [2, 0, 3, 0, 3], list(jobs), [], 0
         while queue or waiting or engine.active:
             k = arrivals.pop(0) if arrivals else len(queue)
             waiting, queue = waiting + queue[:k], queue[k:]

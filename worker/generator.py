@@ -183,7 +183,12 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         self._prompt_batch.riders = set()
         if buckets:
             self._prompt_batch.buckets = Buckets(self.prefill_batch_size, self._blank)
-        self._generation_batch = BoundGenerationBatch(  # mlx-lm's empty batch, counting
+        self._counters_mine, self._keep_caches = counters, keep_caches
+        self._generation_batch = self._empty_batch()
+
+    def _empty_batch(self) -> BoundGenerationBatch:
+        """mlx-lm's empty generation batch, bound and counting."""
+        batch = BoundGenerationBatch(
             model=self.model,
             fallback_sampler=self.sampler,
             uids=[],
@@ -194,14 +199,49 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             logits_processors=[],
             max_tokens=[],
             stop_sequences=[],
-            counters=counters,
+            counters=self._counters_mine,
         )
-        self._generation_batch.keep_caches = keep_caches
+        batch.keep_caches = self._keep_caches
+        return batch
 
     def _next(self) -> Any:
+        if self._new_rows_first():
+            return self._prefill_then_decode()
         prompt_responses, generation_responses = super()._next()
         self._start_ready(prompt_responses)
         return prompt_responses, generation_responses
+
+    def _new_rows_first(self) -> bool:
+        """Whether this call prefills before the batch's decode step: rows that do not
+        ride (:meth:`ride`) wait to start beside a decoding batch with room for them."""
+        gen = self._generation_batch
+        return (
+            0 < len(gen) < self.completion_batch_size
+            and bool(self._unprocessed_sequences)
+            and any(seq[0] not in self._prompt_batch.riders for seq in self._unprocessed_sequences)
+        )
+
+    def _prefill_then_decode(self) -> Any:
+        """New rows' prefill and first-token pass first, then the batch's decode step with
+        them in it: their first token comes out of this call, where mlx-lm's order
+        (decode, then prefill) has it come out of the next, behind a decode step of the
+        whole batch. The same passes either way; the running rows' token of this call
+        waits for the new rows' passes instead."""
+        main, self._generation_batch = self._generation_batch, self._empty_batch()
+        try:
+            prompt_responses, _ = super()._next()  # an empty batch: no decode step
+            self._start_ready(prompt_responses)
+            joined = self._generation_batch
+        finally:
+            self._generation_batch = main
+        if len(joined):
+            main.extend(joined)
+        responses = main.next()
+        self._counters.generation_tokens += len(responses)  # as mlx-lm's own step counts
+        self._counters.generation_steps += 1
+        if self._counters.generation_steps % 512 == 0:
+            mx.clear_cache()
+        return prompt_responses, responses
 
     def _start_ready(self, responses: list[Any]) -> None:
         """Rows whose prefill this call finished start decoding in this call.
