@@ -61,8 +61,8 @@ class StepCounters:
     prefill_shapes: set[tuple[int, int, int]] = field(default_factory=set)
     #: The decode thread's time by stage (:mod:`mlxq.worker.stages`).
     stages: Stages = field(default_factory=Stages.from_env)
-    #: Every prefill shape and decode batch size this process met, kept by :meth:`reset`
-    #: (the stage trace marks a pass of a shape new to the process).
+    #: Every prefill shape this process met, and (while tracing) decode batch size; kept by
+    #: :meth:`reset` (the stage trace marks a pass of a shape new to the process).
     seen: set[tuple[int, ...]] = field(default_factory=set)
 
     def reset(self) -> None:
@@ -206,8 +206,9 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         sampler.bind(self.uids)
         rows, before = len(self.uids), sampler.calls
         with self.counters.stages.on(self._stage):
-            self.counters.stages.note(rows=rows, new=(rows,) not in self.counters.seen)
-            self.counters.seen.add((rows,))
+            if self.counters.stages.tracing:  # nothing on the decode step otherwise
+                self.counters.stages.note(rows=rows, new=(rows,) not in self.counters.seen)
+                self.counters.seen.add((rows,))
             out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
         self.counters.first_token_passes += self._stage == "first_token"

@@ -59,6 +59,11 @@ class Stages:
             sync = mx.synchronize
         return cls(open(path, "a", buffering=1 << 16), sync)
 
+    @property
+    def tracing(self) -> bool:
+        """Whether stages are written to a trace (so notes are worth building)."""
+        return self._trace is not None
+
     def note(self, **fields: Any) -> None:
         """What the innermost open stage did (rows, shapes), for the trace; free when
         nothing is traced."""
