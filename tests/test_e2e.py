@@ -161,6 +161,28 @@ def test_window_puts_a_burst_into_one_prefill(redis_server, queue_name, start_wo
     assert stats["jobs_claimed"] >= 6 and stats["claim_calls"] >= 1
 
 
+def test_a_worker_claims_no_more_than_its_rows_and_one_batch_in_reserve(
+    redis_server, queue_name, start_worker, r
+):
+    from mlxq.producer import keys
+
+    w = start_worker(window_ms=300, max_batch=2)
+    client = _client(redis_server, queue_name)
+    jobs = client.submit_many(
+        [dict(prompt=f"backlog {i}", max_tokens=1900, min_tokens=1900, seed=i) for i in range(12)]
+    )
+    # The window takes what the prefetcher made ready before the loop plans again: those
+    # jobs must count as held meanwhile, or the prefetcher claims their number once more
+    # (a second worker on the queue would then find nothing to claim).
+    most, deadline = 0, time.monotonic() + 1  # none of the first two ends meanwhile
+    while time.monotonic() < deadline and not any(j.status() == "finished" for j in jobs):
+        most = max(most, r.llen(keys.wip_key(w.name)))
+        time.sleep(0.01)
+    assert 0 < most <= 2 * 2, f"held {most} jobs with 2 rows"
+    for j in jobs:
+        j.cancel()
+
+
 def test_jobs_join_a_running_batch(redis_server, queue_name, start_worker):
     start_worker(window_ms=0, max_batch=8)
     client = _client(redis_server, queue_name)

@@ -131,7 +131,7 @@ class Prefetcher(Helper):
         self.router = Router(bridge)
         self.levels = levels or Levels.parse([bridge.queue_name])
         self.want = 0  # jobs the loop could use soon, beside those waiting for a row
-        self._waiting: Mapping[str, int] = {}  # jobs the loop holds waiting, by queue
+        self._waiting: dict[str, int] = {}  # jobs the loop holds waiting, by queue
         self.failed = 0
         self.handed = 0  # jobs handed to another worker
         self.handed_in = 0  # jobs another worker handed this one
@@ -167,6 +167,11 @@ class Prefetcher(Helper):
         with self._cond:
             jobs = list(self._ready)
             self._ready.clear()
+            # Held by the loop now, waiting for a row or in one, until its next plan says
+            # which: counted as waiting meanwhile, or this thread would claim their number
+            # again (an idle window takes jobs several times before it plans).
+            for j in jobs:
+                self._waiting[j.queue] = self._waiting.get(j.queue, 0) + 1
             self.held.taken()
             self._cond.notify_all()
         return jobs
