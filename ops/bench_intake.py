@@ -111,8 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             queue = "bench-intake"
             procs.start_worker(model, url, queue, work / "worker.log", started=started)
             base, _ = start_gateway(url, work, started)
-            rq = procs.MLXQ.with_name("rq")
-            suspend = [str(rq) if rq.exists() else "rq", "suspend", "--url", url]
+            # rq's CLI through this Python: where mlxq runs from a bare site (the GPU
+            # machine's), there is no `rq` script on PATH.
+            suspend = [sys.executable, "-m", "rq.cli", "suspend", "--url", url]
             subprocess.run(suspend, check=True, capture_output=True)
             run: dict[str, Callable[[list[str]], Awaitable[Sent]]] = {
                 "many": lambda t: many(url, queue, t),
