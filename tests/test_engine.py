@@ -146,6 +146,38 @@ def test_stop_strings_end_the_row_and_are_not_emitted(loaded):
     assert row.status is RowStatus.FINISHED
 
 
+def test_a_row_started_beside_riders_takes_passes_of_its_own_rows(loaded):
+    """A chat row and a sweep's refill start together beside a busy batch (a job of a
+    higher level makes the free rows fill at once): the chat row's prefill and first-token
+    pass hold its row alone, and its first token comes out of that step; the refill's rows
+    are prefilled in the next call and still ride (no first-token pass of theirs). Every
+    row's tokens are those it makes alone."""
+    engine = _engine(loaded)
+    busy = {f"b{i}": _job(engine, f"b{i}", _req(f"Busy row {i}", 40)) for i in range(4)}
+    engine.add(list(busy.values()))
+    for _ in range(3):
+        apply_deltas(engine.step())
+    before = dict(engine.counters.prefill_batch_sizes)
+    passes = engine.counters.first_token_passes
+    chat = _job(engine, "chat", _req("A chat turn arrives", 8))
+    refill = {f"r{i}": _job(engine, f"r{i}", _req(f"Sweep row {i}", 8)) for i in range(3)}
+    engine.add([chat])
+    engine.add(list(refill.values()), ride=True)
+    apply_deltas(engine.step())
+    assert chat.token_ids and not any(j.token_ids for j in refill.values())
+    while engine.active:
+        apply_deltas(engine.step())
+    new = {
+        n: engine.counters.prefill_batch_sizes.get(n, 0) - before.get(n, 0)
+        for n in engine.counters.prefill_batch_sizes
+    }
+    assert new.get(1) == 1 and new.get(3) == 1, new
+    assert engine.counters.first_token_passes == passes + 1
+    assert chat.token_ids == _solo(loaded, "chat", _req("A chat turn arrives", 8))
+    for name, job in refill.items():
+        assert job.token_ids == _solo(loaded, name, _req(f"Sweep row {name[1:]}", 8))
+
+
 def test_prompt_longer_than_the_context_is_refused(loaded):
     engine = _engine(loaded)
     with pytest.raises(ValueError, match="context"):

@@ -205,11 +205,37 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         return batch
 
     def _next(self) -> Any:
-        if self._new_rows_first():
-            return self._prefill_then_decode()
-        prompt_responses, generation_responses = super()._next()
-        self._start_ready(prompt_responses)
-        return prompt_responses, generation_responses
+        later = self._riders_wait()
+        try:
+            if self._new_rows_first():
+                return self._prefill_then_decode()
+            prompt_responses, generation_responses = super()._next()
+            self._start_ready(prompt_responses)
+            return prompt_responses, generation_responses
+        finally:
+            if later:  # back at the front, for the next call
+                self._unprocessed_sequences.extendleft(reversed(later))
+
+    def _riders_wait(self) -> list[Any]:
+        """Where rows that ride wait beside rows that do not, take the riders out of the
+        rows waiting for a prefill until this call is done, and return them.
+
+        A chat job that starts beside a sweep's refill (a job of a higher level makes the
+        free rows fill at once) would otherwise share its prefill with the refill's rows,
+        and since rows started together ride only if all do, they would all take a
+        first-token pass: the chat job's first token waits for two passes of many rows,
+        and the refill loses its ride. Apart, the chat job's passes are of its own rows,
+        and the riders' prefill runs in the next call, riding the step after it."""
+        riders = self._prompt_batch.riders
+        waiting = self._unprocessed_sequences
+        if not riders or all(seq[0] in riders for seq in waiting):
+            return []
+        later = [seq for seq in waiting if seq[0] in riders]
+        if later:
+            kept = [seq for seq in waiting if seq[0] not in riders]
+            waiting.clear()
+            waiting.extend(kept)
+        return later
 
     def _new_rows_first(self) -> bool:
         """Whether this call prefills before the batch's decode step: rows that do not
