@@ -97,3 +97,36 @@ def test_a_worker_whose_warm_up_fails_starts_clean_and_serves(tiny_model, monkey
     assert "warm-up skipped: RuntimeError: no kernel for this model" in caplog.text
     assert engine.active == 0 and engine.counters.decode_steps == 0
     assert len(_tokens(engine)["greedy"]) == 12
+
+
+def test_with_buckets_it_prefills_the_shapes_jobs_meet_before_the_first_one(loaded):
+    """Prefills padded to bucketed shapes (on with MLX on CUDA, where each new shape costs
+    a plan): one row at every bucketed width up to 512 tokens, a full batch up to 128, so a
+    chat prompt or a sweep's refill of those sizes meets no shape new to the worker."""
+    engine = Engine(*loaded, max_batch=4, prefill_buckets=True, prompt_cache_bytes=1 << 24)
+    warm_up(engine)
+    seen = set(engine.counters.seen)
+    short = {16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128}
+    assert {(1, w, w) for w in short | {160, 192, 224, 256, 320, 384, 448, 512}} <= seen
+    assert {(4, w, w) for w in short} <= seen
+    assert not engine.counters.prefill_shapes and engine.prompt_cache.nbytes == 0
+    chat = GenerationRequest(prompt="A question about harbours and tides " * 6, max_tokens=2)
+    sweep = [GenerationRequest(prompt=f"Item {i}: " + "word " * 30, max_tokens=2) for i in range(4)]
+    for reqs in ([chat], sweep):
+        jobs = [Job(f"j{i}", r, engine.encode(r)) for i, r in enumerate(reqs)]
+        for j in jobs:
+            j.start("exec")
+        engine.add(jobs)
+        while engine.active:
+            apply_deltas(engine.step())
+    assert engine.counters.prefill_shapes and engine.counters.prefill_shapes <= seen
+    # Without buckets a prompt's exact length is its shape: none is built ahead.
+    plain = Engine(*loaded, max_batch=4)
+    warm_up(plain)
+    assert (1, 512, 512) not in plain.counters.seen
+
+
+def test_with_buckets_greedy_and_seeded_tokens_are_those_of_a_worker_without_it(loaded):
+    warmed = Engine(*loaded, max_batch=8, prefill_buckets=True)
+    warm_up(warmed)
+    assert _tokens(warmed) == _tokens(Engine(*loaded, max_batch=8, prefill_buckets=True))

@@ -95,6 +95,7 @@ class Engine:
             paused_kv_bytes = prompt_cache_bytes or DEFAULT_PAUSED_KV_BYTES
         self.paused_kv_budget = paused_kv_bytes
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.prefill_step_size = prefill_step_size
         self.counters = StepCounters()
         #: Whether MLX runs this model on CUDA (where defaults that weigh a pass's cost
         #: differ: ``prefill_buckets``, the scheduler's ``admit_hold_steps``).
