@@ -178,6 +178,27 @@ def test_a_row_started_beside_riders_takes_passes_of_its_own_rows(loaded):
         assert job.token_ids == _solo(loaded, name, _req(f"Sweep row {name[1:]}", 8))
 
 
+def test_riders_wait_out_one_call_at_most_for_rows_that_do_not_ride(loaded):
+    """Chat rows coming call after call never keep a refill waiting: its riders step
+    aside for one call's passes, then go in with the next call's rows, whatever they are."""
+    engine = _engine(loaded)
+    busy = [_job(engine, f"b{i}", _req(f"Busy row {i}", 40)) for i in range(2)]
+    engine.add(busy)
+    apply_deltas(engine.step())
+    refill = [_job(engine, f"r{i}", _req(f"Sweep row {i}", 8)) for i in range(2)]
+    engine.add([_job(engine, "c0", _req("First chat", 8))])
+    engine.add(refill, ride=True)
+    apply_deltas(engine.step())
+    assert len(engine._gen._unprocessed_sequences) == 2  # the riders waited this call
+    engine.add([_job(engine, "c1", _req("Second chat", 8))])
+    apply_deltas(engine.step())
+    assert not engine._gen._unprocessed_sequences  # not a second time
+    while engine.active:
+        apply_deltas(engine.step())
+    for i, job in enumerate(refill):
+        assert job.token_ids == _solo(loaded, f"r{i}", _req(f"Sweep row {i}", 8))
+
+
 def test_prompt_longer_than_the_context_is_refused(loaded):
     engine = _engine(loaded)
     with pytest.raises(ValueError, match="context"):

@@ -184,6 +184,8 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         if buckets:
             self._prompt_batch.buckets = Buckets(self.prefill_batch_size, self._blank)
         self._counters_mine, self._keep_caches = counters, keep_caches
+        #: Riders that waited out a call for rows that do not ride (:meth:`_riders_wait`).
+        self._waited: set[int] = set()
         self._generation_batch = self._empty_batch()
 
     def _empty_batch(self) -> BoundGenerationBatch:
@@ -225,12 +227,19 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         and since rows started together ride only if all do, they would all take a
         first-token pass: the chat job's first token waits for two passes of many rows,
         and the refill loses its ride. Apart, the chat job's passes are of its own rows,
-        and the riders' prefill runs in the next call, riding the step after it."""
+        and the riders' prefill runs in the next call, riding the step after it. A rider
+        waits out one call at most: should rows that do not ride come again in the next,
+        all go in together."""
         riders = self._prompt_batch.riders
         waiting = self._unprocessed_sequences
         if not riders or all(seq[0] in riders for seq in waiting):
+            self._waited.clear()
             return []
         later = [seq for seq in waiting if seq[0] in riders]
+        if any(seq[0] in self._waited for seq in later):
+            self._waited.clear()
+            return []
+        self._waited = {seq[0] for seq in later}
         if later:
             kept = [seq for seq in waiting if seq[0] not in riders]
             waiting.clear()
