@@ -11,9 +11,15 @@
 #
 # Logs and JSON go to $OUT. SHAPE=tiny with small sizes (SMALL=1) rehearses every part on
 # a CPU.
+#
+# Another tree side by side, in the same call: here `bash ops/h200.sh code REV` installs
+# that commit's mlxq into .gpu/code (carry it beside .gpu/2), then CODE=.gpu/code TAG=old
+# PARTS=both ... runs the worker and the benchmark from it (put before, not instead of,
+# the device's PYTHONPATH). The commit each part prints is the device checkout's, which
+# may lag this tree's: name the runs with TAG.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"which part: prepare, priority, serve or structured"}
+part=${1:?"which part: prepare, code, priority, serve or structured"}
 
 if [ "$part" = prepare ]; then
     # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
@@ -31,6 +37,18 @@ if [ "$part" = prepare ]; then
     du -sh .gpu/1 .gpu/2  # each must stay under the 64 MiB a device call carries
     exit 0
 fi
+if [ "$part" = code ]; then
+    rev=${2:?"which commit"}
+    src=$(mktemp -d)
+    git archive "$rev" | tar -x -C "$src"
+    rm -rf .gpu/code
+    python3 -m pip install -q --no-deps --target .gpu/code "$src"
+    rm -rf "$src" .gpu/code/bin
+    echo "$rev $(git rev-parse --short "$rev")" > .gpu/code/REV
+    du -sh .gpu/code
+    exit 0
+fi
+[ -n "${CODE:-}" ] && export PYTHONPATH="$(cd "$CODE" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$(mktemp -d)}
 SHAPE=${SHAPE:-0.5b}
 MODEL=${MODEL:-/tmp/mlxq-h200-$SHAPE}
@@ -39,7 +57,7 @@ small=${SMALL:-0}
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/h200.log"; }
 
 {
-    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) part $part shape $SHAPE"
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) part $part shape $SHAPE${CODE:+ code $(cat "$CODE/REV" 2>/dev/null)}"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 } | tee -a "$OUT/h200.log"
 
