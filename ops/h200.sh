@@ -16,7 +16,7 @@
 # that commit's mlxq into .gpu/code (carry it beside .gpu/2), then CODE=.gpu/code TAG=old
 # PARTS=both ... runs the worker and the benchmark from it (put before, not instead of,
 # the device's PYTHONPATH). The commit each part prints is the device checkout's, which
-# may lag this tree's: name the runs with TAG.
+# may lag this tree's; the sources' hash beside it is of the files that ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?"which part: prepare, code, priority, serve or structured"}
@@ -57,7 +57,10 @@ small=${SMALL:-0}
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/h200.log"; }
 
 {
-    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) part $part shape $SHAPE${CODE:+ code $(cat "$CODE/REV" 2>/dev/null)}"
+    # The device checkout's commit may lag the files it was sent: the sources' hash says
+    # which code ran (here: the same pipeline over a checkout names it).
+    src=$(find producer worker batching -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-10)
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) sources $src part $part shape $SHAPE${CODE:+ code $(cat "$CODE/REV" 2>/dev/null)}"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 } | tee -a "$OUT/h200.log"
 
