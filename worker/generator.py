@@ -232,18 +232,18 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         all go in together."""
         riders = self._prompt_batch.riders
         waiting = self._unprocessed_sequences
-        if not riders or all(seq[0] in riders for seq in waiting):
-            self._waited.clear()
-            return []
         later = [seq for seq in waiting if seq[0] in riders]
-        if any(seq[0] in self._waited for seq in later):
+        if (
+            not later
+            or len(later) == len(waiting)  # riders only: nothing to step aside for
+            or any(seq[0] in self._waited for seq in later)
+        ):
             self._waited.clear()
             return []
         self._waited = {seq[0] for seq in later}
-        if later:
-            kept = [seq for seq in waiting if seq[0] not in riders]
-            waiting.clear()
-            waiting.extend(kept)
+        kept = [seq for seq in waiting if seq[0] not in riders]
+        waiting.clear()
+        waiting.extend(kept)
         return later
 
     def _new_rows_first(self) -> bool:
