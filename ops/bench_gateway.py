@@ -291,10 +291,21 @@ def oai_client(base: str, streams: int) -> openai.AsyncOpenAI:
     )
 
 
+async def open_pool(client: openai.AsyncOpenAI, n: int) -> None:
+    """``n`` requests at once through ``client``, so its pool keeps ``n`` connections
+    open: what a web backend's long-lived client has after its first busy moment."""
+    await asyncio.gather(*(client.models.list() for _ in range(n)))
+
+
 async def run_streams(
-    base: str, queue: str, prompts: Sequence[str], max_tokens: int
+    base: str, queue: str, prompts: Sequence[str], max_tokens: int, warm: bool = False
 ) -> tuple[list[Stream], float]:
+    """``prompts`` as concurrent streams released together, and the wall time from their
+    release to the last one's end. ``warm``: the client's pool holds a connection for
+    each before the release, else each request opens its own."""
     async with oai_client(base, len(prompts)) as client:
+        if warm:
+            await open_pool(client, len(prompts))
         go = asyncio.Event()
         tasks = [asyncio.create_task(one_stream(client, queue, p, max_tokens, go)) for p in prompts]
         await asyncio.sleep(0)  # every task parked on go

@@ -42,7 +42,7 @@ from procs import records
 
 from mlxq.producer import AsyncClient
 
-WAYS = ("many", "each", "http", "openai")
+WAYS = ("many", "each", "http", "openai", "openai-warm")
 Sent = tuple[list[float], list[str]]  # each job's send time (unix s) and its id
 
 
@@ -65,8 +65,8 @@ async def each(url: str, queue: str, texts: list[str]) -> Sent:
     return [s for s, _ in got], [i for _, i in got]
 
 
-async def openai_sent(base: str, queue: str, texts: list[str]) -> Sent:
-    b = await serve_burst(base, queue, texts, 4, text=False)
+async def openai_sent(base: str, queue: str, texts: list[str], warm: bool = False) -> Sent:
+    b = await serve_burst(base, queue, texts, 4, text=False, warm=warm)
     return b.sent, b.ids
 
 
@@ -120,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "each": lambda t: each(url, queue, t),
                 "http": lambda t: http_sent(base, queue, t),
                 "openai": lambda t: openai_sent(base, queue, t),
+                "openai-warm": lambda t: openai_sent(base, queue, t, warm=True),
             }
             print(f"burst={args.burst} rounds={args.rounds} (worker suspended)", flush=True)
             seen: dict[str, list[tuple[float, float]]] = {w: [] for w in args.ways}

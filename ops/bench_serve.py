@@ -19,11 +19,14 @@ CPU; 0.5b is the GPU's), starts one ``mlxq worker --max-batch B`` per --variant 
            (how a gateway's jobs arrive, without HTTP; opt-in: --modes)
   serve    N concurrent streaming chat completions, ``AsyncOpenAI`` over one httpx
            client, all released together (greedy, ``max_tokens`` --tokens)
+  serve-warm  the same, the client's pool holding a connection for each before the
+           release (a web backend's long-lived client): each request's own TCP connect
+           left out
 
 then the first-token latency of a burst of --burst jobs on an idle worker: the Python
-client's (``AsyncClient.submit_many``, submit to each job's first chunk) and the openai
-client's through the gateway (request to each stream's first chunk with text), p50 and
-max. Streamed text must equal the job's stored result. Best of --rounds counts.
+client's (``AsyncClient.submit_many``, submit to each job's first chunk), the openai
+client's through the gateway (request to each stream's first chunk with text), cold and
+with its pool's connections open beforehand, and raw HTTP's, p50 and max. Streamed text must equal the job's stored result. Best of --rounds counts.
 
 Usage:
     python ops/bench_serve.py                                # tiny model, CPU, a few minutes
@@ -56,7 +59,15 @@ import mlx.core as mx
 import procs
 import redis
 from bench_e2e import Direct, model_dir_for
-from bench_gateway import cpu_s, environment, oai_client, raise_fd_limit, run_streams, start_gateway
+from bench_gateway import (
+    cpu_s,
+    environment,
+    oai_client,
+    open_pool,
+    raise_fd_limit,
+    run_streams,
+    start_gateway,
+)
 from procs import records, stop
 from words import WORDS as ALL_WORDS
 
@@ -242,14 +253,18 @@ class Bench:
         intake, times = intake_of(), job_times(w.url, ids)
         return Run("each", variant, len(texts), tokens, wall, intake=intake, times=times)
 
-    def serve_run(self, w: Worker, variant: str, texts: list[str], check: bool = True) -> Run:
+    def serve_run(
+        self, w: Worker, variant: str, texts: list[str], check: bool = True, warm: bool = False
+    ) -> Run:
         _, intake_of = w.run()
         g0 = cpu_s(self.gw_pid)
-        streams, wall = asyncio.run(run_streams(self.base, w.queue, texts, self.args.tokens))
+        run_ = run_streams(self.base, w.queue, texts, self.args.tokens, warm=warm)
+        streams, wall = asyncio.run(run_)
         gw = cpu_s(self.gw_pid) - g0
         tokens = sum(s.tokens for s in streams)
         intake = intake_of()
-        run = Run("serve", variant, len(texts), tokens, wall, gateway_cpu_s=gw, intake=intake)
+        mode = "serve-warm" if warm else "serve"
+        run = Run(mode, variant, len(texts), tokens, wall, gateway_cpu_s=gw, intake=intake)
         run.times = job_times(w.url, [s.id.split("-", 1)[1] for s in streams if s.id])
         client = Client(w.url, w.queue)
         try:
@@ -317,12 +332,15 @@ async def python_burst(url: str, queue: str, texts: list[str], tokens: int) -> F
 
 
 async def serve_burst(
-    base: str, queue: str, texts: list[str], tokens: int, text: bool = True
+    base: str, queue: str, texts: list[str], tokens: int, text: bool = True, warm: bool = False
 ) -> Firsts:
     """Request to each stream's first chunk with text, for requests sent together.
     ``text``: read on to each stream's end; else its first chunk, then hung up (the job
-    is canceled)."""
+    is canceled). ``warm``: the client's pool holds a connection for each request before
+    the burst (a web backend's long-lived client), else each request opens its own."""
     async with oai_client(base, len(texts)) as client:
+        if warm:
+            await open_pool(client, len(texts))
         go = asyncio.Event()
 
         async def first(text_: str) -> tuple[str, float, float]:
@@ -424,6 +442,7 @@ def ttft(w: Worker, base: str, tag: str, n: int, tokens: int) -> dict[str, float
     for who, burst in (
         ("python", lambda t: python_burst(w.url, w.queue, t, tokens)),
         ("serve", lambda t: serve_burst(base, w.queue, t, tokens)),
+        ("warm", lambda t: serve_burst(base, w.queue, t, tokens, warm=True)),
         ("http", lambda t: http_burst(base, w.queue, t, tokens)),
     ):
         b = asyncio.run(burst([prompt(f"{tag}{who[0]}", i) for i in range(n)]))
@@ -466,7 +485,7 @@ def _row(r: Run, q: dict[str, float]) -> str:
     i, t = r.intake, r.times
     nan = float("nan")
     cells = [
-        f"{r.mode:<7} {r.variant or '(default)':<28} {r.streams:>5} {r.tok_s:>8.1f}",
+        f"{r.mode:<10} {r.variant or '(default)':<28} {r.streams:>5} {r.tok_s:>8.1f}",
         f"{q.get('vs_direct', nan):>7.2f} {q.get('vs_submit', nan):>7.2f}",
     ]
     if i is not None:
@@ -495,13 +514,13 @@ def stages(best: dict[tuple[str, str, int], Run]) -> list[str]:
         shown = [i.busy_ms.get(k, 0.0) / i.decode_steps for k in SHOWN_STAGES]
         total = sum(i.busy_ms.values()) / i.decode_steps
         cells = " ".join(f"{v:.2f}" for v in [*shown, total - sum(shown), total])
-        lines.append(f"  {r.mode:<7} {r.variant or '(default)':<28} {r.streams:>5}  {cells}")
+        lines.append(f"  {r.mode:<10} {r.variant or '(default)':<28} {r.streams:>5}  {cells}")
     return lines
 
 
 def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[str, float]]]) -> str:
     lines = [
-        f"{'mode':<7} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
+        f"{'mode':<10} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
         f"{'steps':>6} {'r/st':>5} {'bs+':>4} {'pf':>5} {'rows':>6} {'sh+':>4} {'held':>5} "
         f"{'claimed/calls':<11} {'enq ms':>7} {'wait ms':>7} {'gwCPU':>5}  prefill rows x passes",
     ]
@@ -515,9 +534,11 @@ def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[st
             f"{ms['python_p50_s']:.1f} ms (max {ms['python_max_s']:.1f}); openai via serve p50 "
             f"{ms['serve_p50_s']:.1f} ms (max {ms['serve_max_s']:.1f}); serve - python "
             f"{ms['serve_p50_s'] - ms['python_p50_s']:+.1f} ms; raw HTTP via serve p50 "
-            f"{ms['http_p50_s']:.1f} ms ({ms['http_p50_s'] - ms['python_p50_s']:+.1f})"
+            f"{ms['http_p50_s']:.1f} ms ({ms['http_p50_s'] - ms['python_p50_s']:+.1f}); openai "
+            f"via serve, its pool's connections open beforehand, p50 {ms['warm_p50_s']:.1f} ms "
+            f"({ms['warm_p50_s'] - ms['python_p50_s']:+.1f})"
         )
-        for who in ("python", "serve", "http"):
+        for who in ("python", "serve", "warm", "http"):
             if f"{who}_intake_p50_s" in ms:
                 lines.append(
                     f"  {who} p50: sent to enqueued {ms[f'{who}_intake_p50_s']:.1f} ms, enqueued"
@@ -560,8 +581,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--modes",
-        default="direct,submit,serve",
-        help="subset of direct,submit,each,serve (each: the Python client, one submit a job)",
+        default="direct,submit,serve,serve-warm",
+        help="subset of direct,submit,each,serve,serve-warm (each: the Python client, one "
+        "submit a job; serve-warm: serve with the client's connections open beforehand)",
     )
     ap.add_argument("--no-ttft", action="store_true", help="skip the first-token bursts")
     ap.add_argument("--seed", type=int, default=0)
@@ -577,7 +599,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.eos_reachable = False  # jobs of equal length: refills line up on both sides
     args.variant = args.variant or [""]
     args.modes = args.modes.split(",")
-    if bad := set(args.modes) - {"direct", "submit", "each", "serve"}:
+    if bad := set(args.modes) - {"direct", "submit", "each", "serve", "serve-warm"}:
         ap.error(f"--modes: unknown {','.join(sorted(bad))}")
     if min(args.batch, args.tokens, args.burst, args.rounds, *args.streams) < 1:
         ap.error("--batch, --tokens, --burst, --rounds and --streams must be >= 1")
@@ -628,10 +650,13 @@ def run_point(bench: Bench, workers: list[tuple[str, Worker]], n: int, tag: str)
             runs.append(bench.each_run(w, variant, [prompt(tag + "e", i) for i in range(n)]))
         if "serve" in bench.args.modes:
             runs.append(bench.serve_run(w, variant, [prompt(tag + "o", i) for i in range(n)]))
+        if "serve-warm" in bench.args.modes:
+            texts = [prompt(tag + "w", i) for i in range(n)]
+            runs.append(bench.serve_run(w, variant, texts, warm=True))
     for r in runs:
         i = r.intake
         more = f", {i.prefill_passes} prefills, {i.admit_held_steps} held" if i else ""
-        print(f"  {r.mode:<7} {r.variant or '(default)':<28} {n:>5} {r.tok_s:9.1f} tok/s{more}")
+        print(f"  {r.mode:<10} {r.variant or '(default)':<28} {n:>5} {r.tok_s:9.1f} tok/s{more}")
     return runs
 
 
