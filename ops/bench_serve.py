@@ -26,7 +26,8 @@ CPU; 0.5b is the GPU's), starts one ``mlxq worker --max-batch B`` per --variant 
 then the first-token latency of a burst of --burst jobs on an idle worker: the Python
 client's (``AsyncClient.submit_many``, submit to each job's first chunk), the openai
 client's through the gateway (request to each stream's first chunk with text), cold and
-with its pool's connections open beforehand, and raw HTTP's, p50 and max. Streamed text must equal the job's stored result. Best of --rounds counts.
+with its pool's connections open beforehand, and raw HTTP's, p50 and max. Streamed
+text must equal the job's stored result. Best of --rounds counts.
 
 Usage:
     python ops/bench_serve.py                                # tiny model, CPU, a few minutes
