@@ -240,6 +240,20 @@ def micro_case(x: mx.array, params: list[SP], reps: int) -> dict[str, float]:
     return out
 
 
+def few_sampled(b: int) -> dict[str, list[SP]]:
+    """A greedy sweep's batch with one or two seeded chat rows in it (how an interactive
+    job rides beside a sweep), and the same batch all greedy: what those rows cost the
+    step. (``mlxq_candidates`` there draws the sampled rows apart from the greedy ones;
+    ``mlxq_full_sort``, a GPU's default, draws every row in one pass.)"""
+    greedy = SP(temperature=0.0)
+    chat = [SP(temperature=0.7, seed=k) for k in range(1, 3)]
+    out = {"greedy": [greedy]}
+    for n in (1, 2):
+        if b > n:
+            out[f"{n}seeded"] = chat[:n] + [greedy] * (b - n)
+    return out
+
+
 def run_micro(args: argparse.Namespace) -> list[dict[str, Any]]:
     cases = {
         "top_p": [HOMOGENEOUS],
@@ -255,7 +269,7 @@ def run_micro(args: argparse.Namespace) -> list[dict[str, Any]]:
                 x = mx.random.normal((b, vocab)) * std
                 x = x - mx.logsumexp(x, axis=-1, keepdims=True)
                 median_nucleus = statistics.median(nucleus_sizes(np.array(x)))
-                for name, groups in cases.items():
+                for name, groups in {**cases, **few_sampled(b)}.items():
                     params = [groups[i % len(groups)] for i in range(b)]
                     ms = micro_case(x, params, args.reps)
                     rows.append(
