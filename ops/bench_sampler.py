@@ -36,7 +36,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.sample_utils import make_sampler
 
-from mlxq.batching.sampler import RowParams, default_num_candidates, sample
+from mlxq.batching.sampler import NUM_CANDIDATES, RowParams, default_num_candidates, sample
 from mlxq.producer.params import SamplingParams as SP
 
 Sampler = Callable[[mx.array], mx.array]
@@ -224,7 +224,7 @@ def _time_ms(fn: Callable[[], mx.array], reps: int) -> float:
 def micro_case(x: mx.array, params: list[SP], reps: int) -> dict[str, float]:
     """Milliseconds per call: mlxq (candidates / full sort) vs mlx-lm's sampler(s)."""
     pos = mx.zeros((x.shape[0],), dtype=mx.int32)
-    cand, full = RowParams.from_params(params), RowParams.from_params(params, 0)
+    cand, full = RowParams.from_params(params, NUM_CANDIDATES), RowParams.from_params(params, 0)
     out = {
         "mlxq_candidates": _time_ms(lambda: sample(x, cand, pos), reps),
         "mlxq_full_sort": _time_ms(lambda: sample(x, full, pos), reps),
