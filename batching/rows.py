@@ -116,6 +116,11 @@ class RowSampler:
         return self._logits_rows
 
     @property
+    def sampled_rows(self) -> int:
+        """How many bound rows draw by sampling (the rest take the argmax)."""
+        return sum(not r.params.greedy for r in self._bound)
+
+    @property
     def grammar_rows(self) -> GrammarRows | None:
         """The bound rows' constraints; None when no row has one."""
         return self._grammar_rows

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,10 +59,10 @@ def read(path: str | Path, start: float | None = None, end: float | None = None)
     return out
 
 
-def summary(lines: Iterable[dict[str, Any]], slowest: int = 0) -> str:
+def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     """Per stage (a pass of a shape new to the worker apart): passes, total, mean, p50,
-    p99 and most milliseconds; prefill passes of one row and of several; then the slowest
-    prefill passes."""
+    p99 and most milliseconds; prefill passes of one row and of several; decode steps of
+    greedy rows only and with sampled rows; then the slowest prefill passes."""
     tallies: dict[str, Tally] = {}
     prefills: list[dict[str, Any]] = []
     for line in lines:
@@ -86,6 +86,10 @@ def summary(lines: Iterable[dict[str, Any]], slowest: int = 0) -> str:
         rows.append(Tally(many).line("prefill of several rows"))
         shapes = {(p["rows"], p["width"], p["keys"]) for p in prefills}
         rows.append(f"prefill shapes (rows, width, keys): {len(shapes)}")
+    steps = [x for x in lines if x["stage"] == "decode" and "sampled" in x and not x.get("new")]
+    if steps:  # what sampled rows (an interactive job's) cost a greedy batch's step
+        rows.append(Tally([x["ms"] for x in steps if not x["sampled"]]).line("decode, all greedy"))
+        rows.append(Tally([x["ms"] for x in steps if x["sampled"]]).line("decode, some sampled"))
     if slowest and prefills:
         rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
         for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:

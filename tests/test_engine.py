@@ -227,3 +227,24 @@ def test_a_row_added_beside_a_busy_batch_has_its_first_token_at_once(loaded, rid
     while engine.active:
         apply_deltas(engine.step())
     assert new.token_ids == _solo(loaded, "new", _req("A chat turn arrives", 8))
+
+
+def test_a_traced_decode_step_notes_how_many_of_its_rows_sample(loaded, tmp_path, monkeypatch):
+    # What an interactive row costs a greedy sweep's step is read from this note
+    # (ops/stage_trace.py: "decode, all greedy" against "decode, some sampled").
+    import json
+
+    from mlxq.worker import stages
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(stages.TRACE_ENV, str(path))
+    engine = _engine(loaded)
+    _run(
+        engine,
+        {"g": _req("a greedy row", 6, temperature=0.0)},
+        add_later=(2, {"s": _req("a sampled row", 2, temperature=0.7, seed=3)}),
+    )
+    engine.counters.stages._trace.close()
+    steps = [x for x in map(json.loads, path.read_text().splitlines()) if x["stage"] == "decode"]
+    assert {x["sampled"] for x in steps} == {0, 1}
+    assert all(x["sampled"] <= x["rows"] for x in steps)

@@ -114,3 +114,23 @@ def test_a_synced_trace_writes_each_stages_wait_for_the_device(clock, tmp_path):
             clock.now += 0.010
     (line,) = [json.loads(x) for x in path.read_text().splitlines()]
     assert (line["ms"], line["wait_ms"], len(waits)) == (13.0, 3.0, 1)
+
+
+def test_the_summary_splits_decode_steps_by_whether_rows_sample():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import summary
+
+    lines = [
+        {"t": 1.0, "stage": "decode", "ms": 15.0, "rows": 64, "new": False, "sampled": 0},
+        {"t": 2.0, "stage": "decode", "ms": 17.0, "rows": 64, "new": False, "sampled": 1},
+        {"t": 3.0, "stage": "decode", "ms": 19.0, "rows": 64, "new": False, "sampled": 2},
+        {"t": 4.0, "stage": "decode", "ms": 90.0, "rows": 63, "new": True, "sampled": 0},
+    ]
+    table = {r.split("  ")[0]: r.split() for r in summary(lines).splitlines()}
+    greedy = table["decode, all greedy"]
+    some = table["decode, some sampled"]
+    # passes and their total ms; a step of a batch size new to the worker counts in neither
+    assert greedy[-6:-4] == ["1", "15.0"] and some[-6:-4] == ["2", "36.0"]

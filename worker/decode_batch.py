@@ -207,7 +207,8 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         rows, before = len(self.uids), sampler.calls
         with self.counters.stages.on(self._stage):
             if self.counters.stages.tracing:  # nothing on the decode step otherwise
-                self.counters.stages.note(rows=rows, new=(rows,) not in self.counters.seen)
+                seen = (rows,) in self.counters.seen
+                self.counters.stages.note(rows=rows, new=not seen, sampled=sampler.sampled_rows)
                 self.counters.seen.add((rows,))
             out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
