@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -168,6 +169,34 @@ def test_levels_in_order_and_no_pause_when_told(redis_server, start_worker, r):
     # The three high jobs took their first token in a pass of their own; the four low
     # ones in the next decode step (they ride).
     assert stats["first_token_passes"] == 3
+    _clean(r, hi, lo)
+
+
+def test_reserved_rows_count_the_first_levels_own(redis_server, start_worker, r):
+    # --reserve-rows 1 of 3: lower levels leave one row free for the first level, and
+    # while the first level holds a row they use the other two (the reserve is in use:
+    # nothing more to keep). Before, they kept a row free beside it and ran on one.
+    hi, lo = _queues()
+    (chat,) = _long(Client(redis_server.url, queue=hi), 1, 2000)
+    sweep = _long(Client(redis_server.url, queue=lo), 6, 8)
+    w = start_worker([hi, lo], max_batch=3, window_ms=0, reserve_rows=1)
+    for j in sweep:
+        j.result(timeout=120)
+    assert chat.status() == "started", "the sweep ran beside the first level's job"
+    spans = sorted((_rq(r, j).started_at, _rq(r, j).ended_at) for j in sweep)
+    assert any(b[0] < a[1] for a, b in pairwise(spans)), f"one at a time: {spans}"
+    assert chat.cancel()
+    # No first-level job: the sweep keeps to two rows, and one that comes takes the
+    # free row without pausing any.
+    long_sweep = _long(Client(redis_server.url, queue=lo), 3, 2000)
+    _started(long_sweep, 2)
+    (late,) = _long(Client(redis_server.url, queue=hi), 1, 4)
+    assert late.result(timeout=120).token_ids
+    assert sum(j.status() == "started" for j in long_sweep) == 2
+    assert _worker(r, w.name)["preemptions"] == 0
+    for j in long_sweep:
+        assert j.cancel()
+    wait_for(lambda: all(j.status() == "canceled" for j in [chat, *long_sweep]), "cancels")
     _clean(r, hi, lo)
 
 

@@ -137,7 +137,8 @@ def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
         "--reserve-rows",
         type=int,
         default=0,
-        help="rows kept free for the first level's jobs",
+        help="rows kept for the first level's jobs (those it holds count): lower levels "
+        "use the rest",
     )
     ENV.add(
         p,

@@ -104,7 +104,7 @@ class WorkerConfig:
             finished its conversation's last turn (its prompt cache holds the history).
         preempt: Pause the youngest row of the lowest running level when a job of a
             strictly higher level waits and no row is free.
-        reserve_rows: Rows kept free for the first level's jobs.
+        reserve_rows: Rows kept for the first level's jobs, those it holds counted.
         max_pauses: A job is paused at most this many times.
         paused_kv_bytes: Bytes of KV state kept for paused rows; past it, the oldest
             pause's KV is dropped (it resumes by prefilling again). None: the prompt

@@ -104,13 +104,15 @@ class Scheduler:
             order.setdefault(q, []).extend(admit(jobs, running, slots, step, self.policy))
         resume: list[Job] = []
         chosen: list[Job] = []
+        first = self._first_level_rows()
         while free > 0:
-            top = [q for q, jobs in order.items() if jobs and self._may_take(q, free)]
+            top = [q for q, jobs in order.items() if jobs and self._may_take(q, free, first)]
             pick = self.shares.pick(top)
             if pick is None:
                 break
             job = order[pick].pop(0)
             free -= 1
+            first += self._level.get(pick, 0) == 0
             self._charge(job, job.request.max_tokens * job.request.n)
             (resume if job.status is Status.PAUSED else chosen).append(job)
         return resume, chosen
@@ -143,10 +145,21 @@ class Scheduler:
         lowest = max(self.level(j) for j in running)
         return any(self.level(j) < lowest for j in buffered)
 
-    def _may_take(self, queue: str, free: int) -> bool:
+    def _first_level_rows(self) -> int:
+        """Rows the first level's jobs hold."""
+        return sum(self.level(j) == 0 for j in self.held.jobs(Status.RUNNING))
+
+    def _kept(self, first: int) -> int:
+        """Free rows lower levels leave to the first level, which holds ``first`` rows:
+        ``--reserve-rows`` counts the rows it holds, so a reserve in use costs lower
+        levels no more rows than it has (else each interactive job running would take
+        one more of a sweep's rows out of step)."""
+        return max(0, self.config.reserve_rows - first)
+
+    def _may_take(self, queue: str, free: int, first: int) -> bool:
         """Whether a job of ``queue`` may take one of ``free`` rows (``--reserve-rows``
-        keeps some for the first level)."""
-        return free > self.config.reserve_rows or self._level.get(queue, 0) == 0
+        keeps some for the first level, which holds ``first``)."""
+        return self._level.get(queue, 0) == 0 or free > self._kept(first)
 
     def _charge(self, job: Job, upto: int) -> None:
         """Charge a job's queue share so that, in all, it was charged ``upto`` tokens:
@@ -175,7 +188,7 @@ class Scheduler:
         ending = sum(n <= PAUSE_WAIT_STEPS for n in self.engine.steps_left())
         free = self.engine.free_slots + ending
         if lowest_waiting > 0:
-            free -= self.config.reserve_rows
+            free -= self._kept(self._first_level_rows())
         ids = set(to_pause(by_level, candidates, max(0, free), self.config.max_pauses))
         jobs = [j for j in running if j.id in ids]
         if not jobs:
