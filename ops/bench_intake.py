@@ -14,7 +14,10 @@ suspends it) and one ``mlxq serve``, and for --rounds rounds sends --burst jobs 
   http      streaming chat completions as raw HTTP/1.1 over sockets opened beforehand,
             written together: the gateway's intake without a client library's cost
   openai    the official ``openai`` client, ``AsyncOpenAI`` streaming (what users send;
-            on a small machine the client's own CPU shares the cores)
+            on a small machine the client's own CPU shares the cores), a fresh client
+            that opens a connection for each request
+  openai-warm  the same, its pool's connections opened beforehand (a web backend's
+            long-lived client): the client library's own cost alone
 
 and prints each way's p50 and max (ms), the best round's and the median round's.
 
@@ -131,13 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seen[way].append((statistics.median(ms), max(ms)))
                     time.sleep(0.3)
             print(
-                f"{'way':<8} {'p50 best':>9} {'p50 median':>11} {'max best':>9} {'max median':>11}"
+                f"{'way':<12} {'p50 best':>9} {'p50 median':>11} {'max best':>9} {'max median':>11}"
             )
             for way, got in seen.items():
                 p50s, maxes = [p for p, _ in got], [m for _, m in got]
                 print(
-                    f"{way:<8} {min(p50s):11.1f} {statistics.median(p50s):11.1f} "
-                    f"{min(maxes):11.1f} {statistics.median(maxes):11.1f}"
+                    f"{way:<12} {min(p50s):9.1f} {statistics.median(p50s):11.1f} "
+                    f"{min(maxes):9.1f} {statistics.median(maxes):11.1f}"
                 )
             print("ms from a job's send to its enqueued_at in rq's record")
             return 0
