@@ -392,5 +392,12 @@ def sample(logprobs: mx.array, rows: RowParams, positions: mx.array) -> mx.array
     if rows.greedy_rows.size == 0:
         return _draw(logprobs, rows, positions)
     sampled = _draw(logprobs[rows.sampled_rows], rows, positions[rows.sampled_rows])
+    if rows.greedy_rows.size >= rows.sampled_rows.size:
+        # Mostly greedy (a sweep's batch with a chat row or two): every row's argmax, the
+        # sampled rows' draws put in their place; no copy of the greedy rows' log-probs,
+        # which cost more than the argmax itself (a CPU, V = 152k: 23 ms against 49).
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        tokens[rows.sampled_rows] = sampled
+        return tokens
     greedy = mx.argmax(logprobs[rows.greedy_rows], axis=-1).astype(mx.uint32)
     return mx.concatenate([greedy, sampled])[rows.unpermute]

@@ -117,6 +117,31 @@ def test_greedy_rows_take_the_argmax() -> None:
     assert (np.array(all_greedy) == base.argmax(-1)).all()
 
 
+@pytest.mark.parametrize("num_candidates", [1024, 0], ids=["candidates", "full-sort"])
+@pytest.mark.parametrize("sampled", [1, 3, 40], ids=["one-sampled", "few-sampled", "most-sampled"])
+def test_a_mostly_greedy_batch_and_a_mostly_sampled_one_draw_alike(
+    num_candidates: int, sampled: int
+) -> None:
+    # A sweep's greedy rows with a chat row or two, and the other way round: each greedy
+    # row takes its argmax and each seeded row the draw it makes alone, whichever way the
+    # batch is drawn.
+    base = _logprobs(48, 2000, 1.5, seed=9)
+    seeded = {i: SP(temperature=0.8, top_p=0.95 if i % 2 else 1.0, seed=i) for i in range(sampled)}
+    params = [seeded.get(i, SP()) for i in range(48)]
+    positions = mx.arange(48) + 5
+    tokens = np.array(
+        sample(mx.array(base), RowParams.from_params(params, num_candidates), positions)
+    )
+    for i, p in enumerate(params):
+        if p.greedy:
+            assert tokens[i] == base[i].argmax()
+        else:
+            alone = sample(
+                mx.array(base[i : i + 1]), RowParams.from_params([p]), positions[i : i + 1]
+            )
+            assert tokens[i] == int(alone[0])
+
+
 SEEDED = [
     SP(temperature=1.0, seed=7),
     SP(temperature=0.7, top_p=0.9, seed=2**40 + 3),
