@@ -25,7 +25,10 @@ next forward pass behind this one (measured on the H200: docs/benchmarks.md). So
 ``num_candidates=0``, the default on a GPU, every row's top_p and top_k
 thresholds come from ONE sort of the values and min_p from the row max, the
 draw is one masked Gumbel-argmax over the vocabulary, and nothing waits on the
-host: the same work as mlx-lm's own sampler, whatever the mix.
+host: the same work as mlx-lm's own sampler, whatever the mix. Where most rows
+are greedy (a sweep's batch with a chat row or two), the sampled rows alone are
+drawn so and the rest take the batch's argmax, as on the candidates path: the
+noise, sort and draw of one row, not of the batch.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ class RowParams:
             seed_hi=_column([s >> 32 for s in seeds], mx.uint32),
             seeded=_column([p.seed is not None for p in sampled], mx.bool_),
             greedy=mx.array(greedy),
-            plain=mx.array(False) if num_candidates else _column(greedy, mx.bool_),
+            plain=_column(greedy, mx.bool_) if len(s_idx) == len(params) else mx.array(False),
             all_greedy=all(greedy),
             homogeneous=len({p.key() for p in params}) == 1 and all(p.seed is None for p in params),
             any_seeded=any(p.seed is not None for p in sampled),
@@ -191,12 +194,16 @@ def _sampled(
     params: Sequence[SamplingParams], num_candidates: int
 ) -> tuple[list[SamplingParams], list[int]]:
     """The params of the rows drawn by sampling, and their batch rows."""
-    if num_candidates:
+    greedy = sum(p.greedy for p in params)
+    if num_candidates or 2 * greedy >= len(params):
+        # Drawn apart from the greedy rows, which take the batch's argmax: on the
+        # one-sort path too where most rows are greedy (a sweep's batch with a chat row
+        # or two), so its noise, sort and draw cover those rows, not the whole batch.
         return [p for p in params if not p.greedy], [
             i for i, p in enumerate(params) if not p.greedy
         ]
-    # On the one-sort path greedy rows ride along with no filter and no noise,
-    # so the batch is never split into greedy and sampled rows and put back.
+    # Mostly sampled, on the one-sort path: the few greedy rows ride along with no
+    # filter and no noise, so the batch is never split and put back.
     return [_NEUTRAL if p.greedy else p for p in params], list(range(len(params)))
 
 
