@@ -116,7 +116,7 @@ class RowSampler:
         return self._logits_rows
 
     @property
-    def sampled_rows(self) -> int:
+    def sampled_count(self) -> int:
         """How many bound rows draw by sampling (the rest take the argmax)."""
         return sum(not r.params.greedy for r in self._bound)
 

@@ -208,7 +208,7 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         with self.counters.stages.on(self._stage):
             if self.counters.stages.tracing:  # nothing on the decode step otherwise
                 seen = (rows,) in self.counters.seen
-                self.counters.stages.note(rows=rows, new=not seen, sampled=sampler.sampled_rows)
+                self.counters.stages.note(rows=rows, new=not seen, sampled=sampler.sampled_count)
                 self.counters.seen.add((rows,))
             out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
