@@ -104,7 +104,7 @@ class Scheduler:
             order.setdefault(q, []).extend(admit(jobs, running, slots, step, self.policy))
         resume: list[Job] = []
         chosen: list[Job] = []
-        first = self._first_level_rows()
+        first = self._first_level_rows() if self.config.reserve_rows else 0  # else unread
         while free > 0:
             top = [q for q, jobs in order.items() if jobs and self._may_take(q, free, first)]
             pick = self.shares.pick(top)
@@ -187,7 +187,7 @@ class Scheduler:
         ]
         ending = sum(n <= PAUSE_WAIT_STEPS for n in self.engine.steps_left())
         free = self.engine.free_slots + ending
-        if lowest_waiting > 0:
+        if lowest_waiting > 0 and self.config.reserve_rows:
             free -= self._kept(self._first_level_rows())
         ids = set(to_pause(by_level, candidates, max(0, free), self.config.max_pauses))
         jobs = [j for j in running if j.id in ids]
