@@ -139,7 +139,8 @@ def test_dashboard_groups_queues_by_level_and_shows_paused_rows(
     # The high jobs end (canceled, the running one last) and the low one goes back into
     # its row.
     for job in reversed(highs):
-        assert job.cancel()
+        # A fast machine may finish a high job's 2,000 tokens before its cancel: ended either way.
+        assert job.cancel() or job.status() == "finished"
     expect(row.locator("td.paused")).to_have_text("0", timeout=WAIT_MS)
     expect(row.locator("td.pauses")).to_have_text("1 / 1", timeout=WAIT_MS)
     assert low.cancel()
