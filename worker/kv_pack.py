@@ -120,20 +120,36 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     ``keep[i]`` holding ``held[i]`` tokens. The padding every kept row has on its left is
     cut off as mlx-lm cuts it, but known from ``held`` (the longest row's tokens end at
     ``_idx``), where mlx-lm reads it from the device once a layer, each read waiting for
-    the step in flight: a batch whose rows end one by one paid that at every end."""
+    the step in flight: a batch whose rows end one by one paid that at every end. Kept rows
+    in one run are sliced, not gathered (:func:`_one_run`)."""
     index = mx.array(keep)
     fewest, most = min(held, default=0), max(held, default=0)  # once, not a layer each
+    run = _one_run(keep)
     for c in caches:
         if not _host_padded(c, fewest, most):
             c.filter(keep)
             continue
         cut = c._idx - most
-        c.keys, c.values = c.keys[index], c.values[index]
+        if run is None:
+            c.keys, c.values = c.keys[index], c.values[index]
+        else:
+            c.keys, c.values = c.keys[run[0] : run[1]], c.values[run[0] : run[1]]
         c.offset, c.left_padding = c.offset[index], c.left_padding[index]
         if cut > 0:
             c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
             c._idx -= cut
             c.left_padding = c.left_padding - cut
+
+
+def _one_run(keep: list[int]) -> tuple[int, int] | None:
+    """``keep`` as one [start, end) run of consecutive rows, or None. Rows kept in one run
+    (the newest row left, as a chat job's end in a sweep's batch, or the oldest rows) are a
+    slice of the batch's arrays, no copy; others a gather of every row kept. On the H100
+    a sweep's decode step after one chat row left took ~6 ms more than the others; what
+    of it each way costs there, ``ops/bench_kv_rows.py`` times."""
+    if keep and keep == list(range(keep[0], keep[0] + len(keep))):
+        return keep[0], keep[0] + len(keep)
+    return None
 
 
 def packed_rows(caches: Sequence[list[Any]]) -> list[mx.array | None]:
