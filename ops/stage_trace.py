@@ -62,7 +62,8 @@ def read(path: str | Path, start: float | None = None, end: float | None = None)
 def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     """Per stage (a pass of a shape new to the worker apart): passes, total, mean, p50,
     p99 and most milliseconds; prefill passes of one row and of several; decode steps of
-    greedy rows only and with sampled rows; then the slowest prefill passes."""
+    greedy rows only and with sampled rows, and by whether rows joined or left the batch
+    just before them; then the slowest prefill passes."""
     tallies: dict[str, Tally] = {}
     prefills: list[dict[str, Any]] = []
     for line in lines:
@@ -90,6 +91,8 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     if steps:  # what sampled rows (an interactive job's) cost a greedy batch's step
         rows.append(Tally([x["ms"] for x in steps if not x["sampled"]]).line("decode, all greedy"))
         rows.append(Tally([x["ms"] for x in steps if x["sampled"]]).line("decode, some sampled"))
+    for name, ms in _by_row_change(lines).items():
+        rows.append(Tally(ms).line(f"decode, {name}"))
     if slowest and prefills:
         rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
         for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:
@@ -97,6 +100,29 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
                 f"  {p['rows']} x {p['width']}, {p['keys']}, {bool(p.get('new'))}, {p['ms']:.1f}"
             )
     return "\n".join(rows)
+
+
+def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """Decode steps (of shapes seen before) by what changed the batch since the last one:
+    rows left (a leave filters every layer's KV cache), rows joined (an extend), or
+    nothing. Lines are in the order the stages ended."""
+    out: dict[str, list[float]] = {"rows unchanged": [], "after a join": [], "after a leave": []}
+    changed: set[str] = set()
+    for x in lines:
+        if x["stage"] in ("rows_join", "rows_leave"):
+            changed.add(x["stage"])
+        elif x["stage"] == "decode":
+            if "sampled" in x and not x.get("new"):
+                key = (
+                    "after a leave"
+                    if "rows_leave" in changed
+                    else "after a join"
+                    if changed
+                    else "rows unchanged"
+                )
+                out[key].append(x["ms"])
+            changed = set()
+    return out if out["after a join"] or out["after a leave"] else {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -134,3 +134,33 @@ def test_the_summary_splits_decode_steps_by_whether_rows_sample():
     some = table["decode, some sampled"]
     # passes and their total ms; a step of a batch size new to the worker counts in neither
     assert greedy[-6:-4] == ["1", "15.0"] and some[-6:-4] == ["2", "36.0"]
+
+
+def test_the_summary_splits_decode_steps_by_the_rows_that_joined_or_left_before_them():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import summary
+
+    def step(ms: float) -> dict:
+        return {"t": 0.0, "stage": "decode", "ms": ms, "rows": 64, "new": False, "sampled": 0}
+
+    lines = [
+        step(15.0),
+        {"t": 0.0, "stage": "rows_leave", "ms": 1.0},
+        step(21.0),
+        step(14.0),
+        {"t": 0.0, "stage": "rows_join", "ms": 0.5},
+        step(20.0),
+        {"t": 0.0, "stage": "rows_join", "ms": 0.5},
+        {"t": 0.0, "stage": "rows_leave", "ms": 1.0},
+        step(22.0),
+    ]
+    table = {r.split("  ")[0]: r.split() for r in summary(lines).splitlines()}
+    assert table["decode, rows unchanged"][-6:-4] == ["2", "29.0"]
+    assert table["decode, after a join"][-6:-4] == ["1", "20.0"]
+    assert table["decode, after a leave"][-6:-4] == ["2", "43.0"]
+    # no row changed: no split
+    table = {r.split("  ")[0] for r in summary([step(15.0)]).splitlines()}
+    assert "decode, rows unchanged" not in table
