@@ -91,8 +91,8 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     if steps:  # what sampled rows (an interactive job's) cost a greedy batch's step
         rows.append(Tally([x["ms"] for x in steps if not x["sampled"]]).line("decode, all greedy"))
         rows.append(Tally([x["ms"] for x in steps if x["sampled"]]).line("decode, some sampled"))
-    for name, ms in _by_row_change(lines).items():
-        rows.append(Tally(ms).line(f"decode, {name}"))
+    for name, tally in _by_row_change(lines).items():
+        rows.append(tally.line(f"decode, {name}"))
     if slowest and prefills:
         rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
         for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:
@@ -102,11 +102,11 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     return "\n".join(rows)
 
 
-def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
     """Decode steps (of shapes seen before) by what changed the batch since the last one:
     rows left (a leave filters every layer's KV cache), rows joined (an extend), or
     nothing. Lines are in the order the stages ended."""
-    out: dict[str, list[float]] = {"rows unchanged": [], "after a join": [], "after a leave": []}
+    out = {k: Tally() for k in ("rows unchanged", "after a join", "after a leave")}
     changed: set[str] = set()
     for x in lines:
         if x["stage"] in ("rows_join", "rows_leave"):
@@ -120,9 +120,11 @@ def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
                     if changed
                     else "rows unchanged"
                 )
-                out[key].append(x["ms"])
+                out[key].ms.append(x["ms"])
+                if "wait_ms" in x:
+                    out[key].wait.append(x["wait_ms"])
             changed = set()
-    return out if out["after a join"] or out["after a leave"] else {}
+    return out if out["after a join"].ms or out["after a leave"].ms else {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
