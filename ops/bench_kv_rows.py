@@ -12,7 +12,8 @@ step that follows it, as the worker runs them (lazily, in one evaluation). A lea
 timed three ways: the worker's (``filter_rows``: kept rows in one run are a slice, others
 a gather), a gather always (the worker's before), and, as a candidate, a concatenation of
 the runs of kept rows (contiguous copies, no gather), to see which of MLX's kernels the
-cost is in.
+cost is in. (Most of the worker's 6 ms was elsewhere: the step after a change waited for
+its own evaluation, since fixed; docs/benchmarks.md. What is left is these copies.)
 
     python ops/bench_kv_rows.py                  # 0.5B shape (bf16, 4-bit), batch 64
     python ops/bench_kv_rows.py --shape tiny     # a CPU's quick look
