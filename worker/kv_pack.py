@@ -144,9 +144,8 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
 def _one_run(keep: list[int]) -> tuple[int, int] | None:
     """``keep`` as one [start, end) run of consecutive rows, or None. Rows kept in one run
     (the newest row left, as a chat job's end in a sweep's batch, or the oldest rows) are a
-    slice of the batch's arrays, no copy; others a gather of every row kept. On the H100
-    a sweep's decode step after one chat row left took ~6 ms more than the others; what
-    of it each way costs there, ``ops/bench_kv_rows.py`` times."""
+    slice of the batch's arrays, no copy; others a gather of every row kept, a copy of
+    the batch's KV each time a row ends (``ops/bench_kv_rows.py`` times both ways)."""
     if keep and keep == list(range(keep[0], keep[0] + len(keep))):
         return keep[0], keep[0] + len(keep)
     return None
