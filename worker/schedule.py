@@ -104,15 +104,16 @@ class Scheduler:
             order.setdefault(q, []).extend(admit(jobs, running, slots, step, self.policy))
         resume: list[Job] = []
         chosen: list[Job] = []
-        first = self._first_level_rows() if self.config.reserve_rows else 0  # else unread
+        kept = self._kept()
         while free > 0:
-            top = [q for q, jobs in order.items() if jobs and self._may_take(q, free, first)]
+            top = [q for q, jobs in order.items() if jobs and self._may_take(q, free, kept)]
             pick = self.shares.pick(top)
             if pick is None:
                 break
             job = order[pick].pop(0)
             free -= 1
-            first += self._level.get(pick, 0) == 0
+            if self._level.get(pick, 0) == 0:  # a reserved row taken: one fewer kept
+                kept = max(0, kept - 1)
             self._charge(job, job.request.max_tokens * job.request.n)
             (resume if job.status is Status.PAUSED else chosen).append(job)
         return resume, chosen
@@ -149,17 +150,19 @@ class Scheduler:
         """Rows the first level's jobs hold."""
         return sum(self.level(j) == 0 for j in self.held.jobs(Status.RUNNING))
 
-    def _kept(self, first: int) -> int:
-        """Free rows lower levels leave to the first level, which holds ``first`` rows:
-        ``--reserve-rows`` counts the rows it holds, so a reserve in use costs lower
-        levels no more rows than it has (else each interactive job running would take
-        one more of a sweep's rows out of step)."""
-        return max(0, self.config.reserve_rows - first)
+    def _kept(self) -> int:
+        """Free rows lower levels leave to the first level: ``--reserve-rows`` counts the
+        rows it holds, so a reserve in use costs lower levels no more rows than it has
+        (else each interactive job running would take one more of a sweep's rows out of
+        step). With no rows reserved, none, and the running jobs are not counted."""
+        if not self.config.reserve_rows:
+            return 0
+        return max(0, self.config.reserve_rows - self._first_level_rows())
 
-    def _may_take(self, queue: str, free: int, first: int) -> bool:
-        """Whether a job of ``queue`` may take one of ``free`` rows (``--reserve-rows``
-        keeps some for the first level, which holds ``first``)."""
-        return self._level.get(queue, 0) == 0 or free > self._kept(first)
+    def _may_take(self, queue: str, free: int, kept: int) -> bool:
+        """Whether a job of ``queue`` may take one of ``free`` rows, ``kept`` of which
+        lower levels leave to the first level."""
+        return self._level.get(queue, 0) == 0 or free > kept
 
     def _charge(self, job: Job, upto: int) -> None:
         """Charge a job's queue share so that, in all, it was charged ``upto`` tokens:
@@ -187,8 +190,8 @@ class Scheduler:
         ]
         ending = sum(n <= PAUSE_WAIT_STEPS for n in self.engine.steps_left())
         free = self.engine.free_slots + ending
-        if lowest_waiting > 0 and self.config.reserve_rows:
-            free -= self._kept(self._first_level_rows())
+        if lowest_waiting > 0:
+            free -= self._kept()
         ids = set(to_pause(by_level, candidates, max(0, free), self.config.max_pauses))
         jobs = [j for j in running if j.id in ids]
         if not jobs:
