@@ -194,8 +194,7 @@ def _sampled(
     params: Sequence[SamplingParams], num_candidates: int
 ) -> tuple[list[SamplingParams], list[int]]:
     """The params of the rows drawn by sampling, and their batch rows."""
-    greedy = sum(p.greedy for p in params)
-    if num_candidates or 2 * greedy >= len(params):
+    if num_candidates or _mostly_greedy(sum(p.greedy for p in params), len(params)):
         # Drawn apart from the greedy rows, which take the batch's argmax: on the
         # one-sort path too where most rows are greedy (a sweep's batch with a chat row
         # or two), so its noise, sort and draw cover those rows, not the whole batch.
@@ -205,6 +204,12 @@ def _sampled(
     # Mostly sampled, on the one-sort path: the few greedy rows ride along with no
     # filter and no noise, so the batch is never split and put back.
     return [_NEUTRAL if p.greedy else p for p in params], list(range(len(params)))
+
+
+def _mostly_greedy(greedy: int, rows: int) -> bool:
+    """Whether ``greedy`` of ``rows`` rows are most of them: the sampled rows are then
+    drawn apart and put in place over the batch's argmax."""
+    return 2 * greedy >= rows
 
 
 def _order(n: int, s_idx: list[int]) -> tuple[mx.array, mx.array]:
@@ -399,7 +404,7 @@ def sample(logprobs: mx.array, rows: RowParams, positions: mx.array) -> mx.array
     if rows.greedy_rows.size == 0:
         return _draw(logprobs, rows, positions)
     sampled = _draw(logprobs[rows.sampled_rows], rows, positions[rows.sampled_rows])
-    if rows.greedy_rows.size >= rows.sampled_rows.size:
+    if _mostly_greedy(rows.greedy_rows.size, rows.greedy.size):
         # Mostly greedy (a sweep's batch with a chat row or two): every row's argmax, the
         # sampled rows' draws put in their place; no copy of the greedy rows' log-probs,
         # which cost more than the argmax itself (a CPU, V = 152k: 23 ms against 49).
