@@ -302,15 +302,17 @@ def test_a_constrained_row_decodes_as_it_would_alone(loaded):
     assert mixed["r"] == alone["r"]
 
 
-def test_rows_that_ride_decode_as_rows_with_a_first_pass_of_their_own(loaded):
+@pytest.mark.parametrize("fed", [True, False], ids=["fed-by-prefill", "own-pass"])
+def test_rows_that_ride_decode_as_rows_with_a_first_pass_of_their_own(loaded, fed):
     """A lower level's rows take their first token in the batch's next decode step
-    (``Engine.add(..., ride=True)``) instead of a pass of their own: every kind of row
+    (``Engine.add(..., ride=True)``) instead of one of their own: every kind of row
     (constrained, seeded, greedy, log-probs, penalties, a stop string, n=2) joining a busy
     batch makes the same tokens, text, log-probs and ends either way, and no first-token
-    pass is run for them."""
+    pass is run for them. A row that does not ride takes its first token from the prefill
+    that fed its last prompt token (``fed``), or from mlx-lm's pass of the new rows alone."""
 
-    def run(ride: bool) -> tuple[dict, int]:
-        engine = Engine(*loaded, max_batch=16)
+    def run(ride: bool) -> tuple[dict, tuple[int, int]]:
+        engine = Engine(*loaded, max_batch=16, fed_prefill=fed)
         reqs = {"busy": build_request("Busy", max_tokens=40, temperature=0.9, seed=1)}
         reqs.update(_mixed())
         jobs = {n: Job(n, r, engine.encode(r)) for n, r in reqs.items()}
@@ -319,7 +321,8 @@ def test_rows_that_ride_decode_as_rows_with_a_first_pass_of_their_own(loaded):
         engine.add([jobs.pop("busy")])
         for _ in range(3):
             apply_deltas(engine.step())
-        before = engine.counters.first_token_passes
+        c = engine.counters
+        before = (c.first_token_passes, c.first_tokens_from_prefill)
         engine.add(list(jobs.values()), ride=ride)
         while engine.active:
             apply_deltas(engine.step())
@@ -327,15 +330,18 @@ def test_rows_that_ride_decode_as_rows_with_a_first_pass_of_their_own(loaded):
             n: [("".join(c.text), c.token_ids, c.finish_reason, c.logprobs) for c in j.choices]
             for n, j in jobs.items()
         }
-        return out, engine.counters.first_token_passes - before
+        after = (c.first_token_passes, c.first_tokens_from_prefill)
+        return out, (after[0] - before[0], after[1] - before[1])
 
-    own, own_passes = run(False)
-    rode, rode_passes = run(True)
+    own, (own_passes, own_fed) = run(False)
+    rode, rode_counts = run(True)
     # Unseeded sampled rows draw from MLX's global generator, in another order here.
     for name in ("choice", "regex"):
         assert rode.pop(name)[0][2] == own.pop(name)[0][2] == "stop"
     assert rode == own
-    assert (own_passes, rode_passes) == (1, 0)
+    rows = sum(r.n for r in _mixed().values())
+    assert (own_passes, own_fed) == ((0, rows) if fed else (1, 0))
+    assert rode_counts == (0, 0)
 
 
 def test_log_probs_are_those_of_the_masked_distribution(loaded):

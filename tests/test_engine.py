@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mlxq.producer.params import GenerationRequest, SamplingParams
@@ -148,17 +150,17 @@ def test_stop_strings_end_the_row_and_are_not_emitted(loaded):
 
 def test_a_row_started_beside_riders_takes_passes_of_its_own_rows(loaded):
     """A chat row and a sweep's refill start together beside a busy batch (a job of a
-    higher level makes the free rows fill at once): the chat row's prefill and first-token
-    pass hold its row alone, and its first token comes out of that step; the refill's rows
-    are prefilled in the next call and still ride (no first-token pass of theirs). Every
-    row's tokens are those it makes alone."""
+    higher level makes the free rows fill at once): the chat row's prefill holds its row
+    alone and feeds its last prompt token, and its first token comes out of that step; the
+    refill's rows are prefilled in the next call and still ride (no first-token pass of
+    theirs). No row takes a first-token pass. Every row's tokens are those it makes alone."""
     engine = _engine(loaded)
     busy = {f"b{i}": _job(engine, f"b{i}", _req(f"Busy row {i}", 40)) for i in range(4)}
     engine.add(list(busy.values()))
     for _ in range(3):
         apply_deltas(engine.step())
     before = dict(engine.counters.prefill_batch_sizes)
-    passes = engine.counters.first_token_passes
+    passes, fed = engine.counters.first_token_passes, engine.counters.first_tokens_from_prefill
     chat = _job(engine, "chat", _req("A chat turn arrives", 8))
     refill = {f"r{i}": _job(engine, f"r{i}", _req(f"Sweep row {i}", 8)) for i in range(3)}
     engine.add([chat])
@@ -172,7 +174,8 @@ def test_a_row_started_beside_riders_takes_passes_of_its_own_rows(loaded):
         for n in engine.counters.prefill_batch_sizes
     }
     assert new.get(1) == 1 and new.get(3) == 1, new
-    assert engine.counters.first_token_passes == passes + 1
+    assert engine.counters.first_token_passes == passes
+    assert engine.counters.first_tokens_from_prefill == fed + 1
     assert chat.token_ids == _solo(loaded, "chat", _req("A chat turn arrives", 8))
     for name, job in refill.items():
         assert job.token_ids == _solo(loaded, name, _req(f"Sweep row {name[1:]}", 8))
@@ -248,3 +251,45 @@ def test_a_traced_decode_step_notes_how_many_of_its_rows_sample(loaded, tmp_path
     steps = [x for x in map(json.loads, path.read_text().splitlines()) if x["stage"] == "decode"]
     assert {x["sampled"] for x in steps} == {0, 1}
     assert all(x["sampled"] <= x["rows"] for x in steps)
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["unpadded", "bucketed"])
+def test_a_row_fed_by_its_prefill_decodes_as_with_a_pass_of_its_own(loaded, buckets):
+    """A prefill that ends its rows' prompts feeds their last tokens too, and their first
+    token comes from its logits: one pass fewer per row, and the same tokens and log-probs
+    as mlx-lm's extra pass gives, for prompts of every length (one longer than a prefill
+    step, whose last chunk is fed), greedy and seeded, alone and beside a busy batch."""
+    model, tok = loaded
+    prompts = ["Hi", "The harbour at dawn", " ".join(["gulls over the quay"] * 9)]
+    reqs = {f"g{i}": _req(p, 10) for i, p in enumerate(prompts)}
+    reqs |= {f"s{i}": _req(p, 10, temperature=0.9, seed=i) for i, p in enumerate(prompts)}
+    reqs = {n: dataclasses.replace(r, logprobs=True) for n, r in reqs.items()}
+
+    def run(fed: bool) -> tuple[dict, int, int]:
+        engine = Engine(
+            model, tok, max_batch=8, prefill_step_size=16, prefill_buckets=buckets, fed_prefill=fed
+        )
+        records = {n: _job(engine, n, r) for n, r in reqs.items()}
+        busy = _job(engine, "busy", _req("Busy row", 30))
+        engine.add([busy])
+        apply_deltas(engine.step())
+        names = list(records)
+        engine.add([records[n] for n in names[:3]])  # beside the busy row
+        apply_deltas(engine.step())
+        engine.add([records[n] for n in names[3:]])
+        while engine.active:
+            apply_deltas(engine.step())
+            padding_agrees(engine)
+        out = {
+            n: (j.token_ids, [e["logprob"] for e in j.choices[0].logprobs])
+            for n, j in records.items()
+        }
+        c = engine.counters
+        return out, c.first_token_passes, c.first_tokens_from_prefill
+
+    fed, fed_passes, from_prefill = run(True)
+    own, own_passes, _ = run(False)
+    assert from_prefill == len(reqs) + 1 and fed_passes == 0 < own_passes  # and the busy row
+    assert {n: t for n, (t, _) in fed.items()} == {n: t for n, (t, _) in own.items()}
+    for n, (_, lps) in fed.items():
+        assert lps == pytest.approx(own[n][1], abs=1e-4), n

@@ -166,9 +166,11 @@ def test_levels_in_order_and_no_pause_when_told(redis_server, start_worker, r):
     assert _rq(r, late[0]).started_at >= _rq(r, running[0]).ended_at
     stats = _stats(r, w.name, lambda s: s["jobs_finished"] == 7)
     assert stats["preemptions"] == 0
-    # The three high jobs took their first token in a pass of their own; the four low
-    # ones in the next decode step (they ride).
-    assert stats["first_token_passes"] == 3
+    # The three high jobs took their first token from the prefill that fed their last
+    # prompt token; the four low ones from the next decode step (they ride): no job took
+    # a pass of its own for it.
+    assert stats["first_tokens_from_prefill"] == 3
+    assert stats["first_token_passes"] == 0
     _clean(r, hi, lo)
 
 

@@ -30,8 +30,10 @@ from mlxq.worker.stages import Stages
 class StepCounters:
     decode_steps: int = 0
     #: Of those, the passes new rows took for their first token alone (rows that ride
-    #: take none: :meth:`mlxq.worker.generator.Generator.ride`).
+    #: take none: :meth:`mlxq.worker.generator.Generator.ride`; nor do rows whose prefill
+    #: fed their last prompt token, counted in ``first_tokens_from_prefill``).
     first_token_passes: int = 0
+    first_tokens_from_prefill: int = 0
     vectorized_steps: int = 0
     sampler_calls: int = 0
     tokens_generated: int = 0
@@ -142,9 +144,13 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         counters: StepCounters,
         stage: str = "decode",
         ride: bool = False,
+        first_logits: mx.array | None = None,
         **kw: Any,
     ) -> None:
         self._history: TokenHistory | None = None
+        #: The rows' logits after their last prompt token, where their prefill fed it: the
+        #: constructor's step samples from these instead of a pass of its own.
+        self._first_logits = first_logits
         # Before mlx-lm's constructor, which samples a first step: a batch of new rows
         # counts that step as their ``first_token`` stage, the running batch as ``decode``;
         # a batch that rides takes no step of its own (``riding``).
@@ -210,9 +216,12 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
                 seen = (rows,) in self.counters.seen
                 self.counters.stages.note(rows=rows, new=not seen, sampled=sampler.sampled_count)
                 self.counters.seen.add((rows,))
+            fed = self._first_logits is not None
             out = self._batched_step()
         self.counters.count_step(rows, sampler.calls - before)
-        self.counters.first_token_passes += self._stage == "first_token"
+        first = self._stage == "first_token"
+        self.counters.first_token_passes += first and not fed
+        self.counters.first_tokens_from_prefill += len(self.uids) if first and fed else 0
         return out
 
     def _batched_step(self) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -226,7 +235,10 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         # (on an H100 the step after a chat row joined or left took ~6 ms more); scheduled
         # on their own, it waits for the last step only. Once evaluated, this is a no-op.
         mx.async_eval(inputs)
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        if self._first_logits is not None:  # the prefill fed the inputs: their pass ran
+            logits, self._first_logits = self._first_logits, None
+        else:
+            logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         grammar = sampler.grammar_rows
         if grammar is not None:
             # The forward pass runs while the host reads the fed tokens and fills masks.

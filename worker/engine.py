@@ -30,6 +30,7 @@ from mlxq.worker.generator import Generator
 from mlxq.worker.grammars import Grammars
 from mlxq.worker.jobs import Job
 from mlxq.worker.logprob_entries import LogprobEntries
+from mlxq.worker.model_head import model_head
 from mlxq.worker.prompt_cache import PromptCache, default_budget
 from mlxq.worker.rows import Delta, Row, RowStatus, fit_paused_kv, kv_nbytes
 
@@ -57,6 +58,9 @@ class Engine:
         prefill_buckets: Pad prefill passes to a few bucketed shapes (see
             :mod:`mlxq.batching.prefill`); None: on where MLX runs on CUDA, whose cuDNN
             attention plans are built for each new shape.
+        fed_prefill: New rows that do not ride take their first token from the prefill
+            that ends their prompts, not a pass of their own, where the model splits into
+            a body and a head (:mod:`mlxq.worker.model_head`); False: mlx-lm's extra pass.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class Engine:
         prompt_cache_bytes: int | None = 0,
         paused_kv_bytes: int | None = None,
         prefill_buckets: bool | None = False,
+        fed_prefill: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
@@ -103,6 +108,9 @@ class Engine:
         if prefill_buckets is None:
             prefill_buckets = self.on_cuda
         self.prefill_buckets = prefill_buckets
+        #: The model's body and head apart, where its call is those two: a prefill that
+        #: ends new rows' prompts feeds their last tokens and gives their first tokens.
+        self.head = model_head(model) if fed_prefill else None
         self.max_context = context_length(model)
         self.vocab_size = vocab_size(model, tokenizer)
         self.tool_format = tool_format(tokenizer)
@@ -163,6 +171,7 @@ class Engine:
             self.counters,
             keep_caches=self.prompt_cache is not None,
             buckets=self.prefill_buckets,
+            head=self.head,
             **self._kw,
         )
         for row in self._rows.values():

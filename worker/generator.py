@@ -34,6 +34,7 @@ from mlxq.batching.prefill import prefill_shape
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.decode_batch import BoundGenerationBatch, StepCounters
 from mlxq.worker.kv_pack import filter_rows, row_copy
+from mlxq.worker.model_head import Head
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +59,73 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
     #: Rows whose first token may come from the batch's next decode step instead of a
     #: pass of their own (:meth:`Generator.ride`); shared with the generator.
     riders: set[int]
+    #: The prompt segments each row has left after the chunk being prefilled, row by row
+    #: (the generator's ``_currently_processing``); None: no pass feeds a last token.
+    remaining: Callable[[], list[Any]] | None = None
+    #: The model's body and head apart (:mod:`mlxq.worker.model_head`), for the logits
+    #: of a pass that feeds last tokens.
+    head: Head | None = None
+    #: Rows whose prefill fed their last prompt token too: the logits it left them, kept
+    #: until their first token is sampled (:meth:`generate`); shared with every copy.
+    first: dict[int, mx.array]
 
     def _copy(self) -> Any:
         moved = super()._copy()
         moved.counters, moved.buckets, moved.riders = self.counters, self.buckets, self.riders
+        moved.first, moved.head = self.first, self.head  # not remaining: not its rows
         return moved
 
     def prompt(self, tokens: list[list[int]]) -> None:
         with self.counters.stages.on("prefill"):
-            self._prompt(tokens)
+            last = self._last_tokens(tokens)
+            if last is None:
+                self._prompt(tokens)
+            else:
+                self._prompt_fed(tokens, last)
+
+    def _last_tokens(self, tokens: list[list[int]]) -> list[int | None] | None:
+        """Each row's last prompt token where this pass may feed it too (the row ends its
+        prompt with this chunk and does not ride), None for a row it does not feed; None
+        for a pass that feeds none.
+
+        mlx-lm prefills all but a prompt's last token, then runs a pass of the rows alone
+        for it, whose logits give the first token; fed here, that pass is not needed."""
+        if (
+            not tokens
+            or self.remaining is None
+            or self.head is None
+            or len(tokens) != len(self.uids)
+        ):
+            return None
+        rest = self.remaining()
+        if len(rest) != len(tokens):
+            return None
+        last: list[int | None] = []
+        for uid, seq in zip(self.uids, rest, strict=True):
+            segments = seq[0]
+            ends = len(segments) == 1 and len(segments[0]) == 1 and uid not in self.riders
+            last.append(segments[0][0] if ends else None)
+        return None if all(x is None for x in last) else last
+
+    def _shape(self, rows: int, longest: int) -> tuple[int, int]:
+        b = self.buckets
+        if b is None:
+            return rows, longest
+        return prefill_shape(rows, longest, b.max_rows, self.prefill_step_size)
+
+    def _prompt_fed(self, tokens: list[list[int]], last: list[int | None]) -> None:
+        """Prefill the rows' chunks, and the last prompt tokens of the rows that end with
+        them, in one pass; keep those rows' logits after their last token for
+        :meth:`generate`."""
+        fed = [t if x is None else [*t, x] for t, x in zip(tokens, last, strict=True)]
+        rows, width = self._shape(len(fed), max(len(t) for t in fed))
+        self.counters.count_prefill(rows, width, _held(self.prompt_cache) + width)
+        logits = self._prompt_as(fed, rows, width, self.buckets, logits=True)
+        assert logits is not None
+        for i, (held, uid, x) in enumerate(zip(self.tokens, self.uids, last, strict=True)):
+            if x is not None:
+                held.pop()  # the first decode step appends it, as it would have fed it
+                self.first[uid] = logits[i]
 
     def _prompt(self, tokens: list[list[int]]) -> None:
         b = self.buckets
@@ -76,20 +135,29 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
                 self.counters.count_prefill(len(tokens), n, _held(self.prompt_cache) + n)
             super().prompt(tokens)
             return
-        longest = max(len(t) for t in tokens)
-        rows, width = prefill_shape(len(tokens), longest, b.max_rows, self.prefill_step_size)
+        rows, width = self._shape(len(tokens), max(len(t) for t in tokens))
         self.counters.count_prefill(rows, width, _held(self.prompt_cache) + width)
         self._prompt_as(tokens, rows, width, b)
 
-    def _prompt_as(self, tokens: list[list[int]], rows: int, width: int, b: Buckets) -> None:
+    def _prompt_as(
+        self,
+        tokens: list[list[int]],
+        rows: int,
+        width: int,
+        b: Buckets | None,
+        *,
+        logits: bool = False,
+    ) -> mx.array | None:
         """Prefill ``tokens`` in one pass of ``rows`` x ``width``: each prompt right-padded
         to ``width`` (mlx-lm's right padding, rolled to the left once the pass is done, so
         a row's cache is as an unpadded pass leaves it), under it rows of padding, dropped
-        after the pass."""
+        after the pass. ``logits``: in one model call, whatever its width, and return each
+        prompt's logits after its last token (rows x vocabulary)."""
         real = len(tokens)
         for held, new in zip(self.tokens, tokens, strict=True):
             held += new  # the tokens each row's cache holds
         if rows > real:
+            assert b is not None
             self.prompt_cache = _extend_cache(self.prompt_cache, b.blank(rows - real))
         lengths = [len(t) for t in tokens] + [width] * (rows - real)
         padded = min(lengths) < width
@@ -97,20 +165,27 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
             for c in self.prompt_cache:
                 c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
         x = mx.array([t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - real))
-        for start in range(0, width, self.prefill_step_size):
-            if start:  # a long prompt: one chunk's activations at a time
-                mx.eval([c.state for c in self.prompt_cache])
-            self.model(x[:, start : start + self.prefill_step_size], cache=self.prompt_cache)
+        last = None
+        if logits:
+            assert self.head is not None
+            last = self.head.last_logits(x, self.prompt_cache, [len(t) - 1 for t in tokens])
+        else:
+            for start in range(0, width, self.prefill_step_size):
+                if start:  # a long prompt: one chunk's activations at a time
+                    mx.eval([c.state for c in self.prompt_cache])
+                self.model(x[:, start : start + self.prefill_step_size], cache=self.prompt_cache)
         if padded:
             for c in self.prompt_cache:
                 c.finalize()
         if rows > real:  # the padding rows out, the padding known from the host
             filter_rows(self.prompt_cache, list(range(real)), [len(t) for t in self.tokens])
-        # Queued, not waited for: the host goes on to the rows' first-token pass while the
-        # device runs this one (and the decode step before it).
-        mx.async_eval([c.state for c in self.prompt_cache])
+        # Queued, not waited for: the host goes on to the rows' first-token pass (or, for
+        # rows this pass fed, the sampling of their first token) while the device runs
+        # this one (and the decode step before it).
+        mx.async_eval([c.state for c in self.prompt_cache], *([] if last is None else [last]))
         if rows * width > self.prefill_step_size:
             mx.clear_cache()  # a large pass: its buffers go back, as mlx-lm's do
+        return last
 
     def split(self, indices: list[int]) -> Any:
         # Every row at once (a burst's rows all reach their last prompt token together):
@@ -118,6 +193,7 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
         if sorted(indices) != list(range(len(self.uids))):
             return super().split(indices)
         moved = copy.copy(self)
+        moved.remaining = None
         self.uids, self.prompt_cache, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens = [], [], []
         self.stop_sequences = []
@@ -126,8 +202,16 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
     def generate(self, tokens: list[list[int]]) -> Any:
         # mlx-lm's own, but the new rows join a BoundGenerationBatch, whose constructor
         # samples (and counts) their first token; rows that all ride take no pass of their
-        # own: the batch's next decode step feeds their last prompt token.
-        if any(len(t) > 1 for t in tokens):
+        # own: the batch's next decode step feeds their last prompt token; rows whose
+        # prefill fed it take none either: their first token comes from its logits.
+        fed = [u in self.first for u in self.uids]
+        if any(fed) and not all(fed):  # rows of two prefills: each kind its own way
+            theirs = self.split([i for i, f in enumerate(fed) if f])
+            generation = self.generate([t for t, f in zip(tokens, fed, strict=True) if not f])
+            generation.extend(theirs.generate([t for t, f in zip(tokens, fed, strict=True) if f]))
+            return generation
+        first = mx.stack([self.first.pop(u) for u in self.uids]) if any(fed) else None
+        if first is None and any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
         ride = bool(self.uids) and self.riders.issuperset(self.uids)
         self.riders.difference_update(self.uids)
@@ -146,6 +230,7 @@ class _BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
             counters=self.counters,
             stage="first_token",
             ride=ride,
+            first_logits=first,
         )
         self.uids, self.prompt_cache, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens = [], [], []
@@ -162,6 +247,10 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         keep_caches: Whether finished rows' caches are handed back (a prompt cache).
         buckets: Pad each prefill pass to a bucketed (rows, length) shape, so passes of
             new rows repeat a few shapes (see :mod:`mlxq.batching.prefill`).
+        head: The model's body and head apart (:func:`~mlxq.worker.model_head.model_head`):
+            a prefill that ends rows' prompts feeds their last tokens too (rows that do
+            not ride), and their first tokens come from its logits at those positions: one
+            pass fewer per new row. None: mlx-lm's way, a pass of the new rows alone.
         **kw: mlx-lm's own ``BatchGenerator`` arguments.
     """
 
@@ -173,6 +262,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         *,
         keep_caches: bool = False,
         buckets: bool = False,
+        head: Head | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(model, sampler=sampler, **kw)
@@ -181,6 +271,10 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         )
         self._prompt_batch.counters = counters
         self._prompt_batch.riders = set()
+        self._prompt_batch.first = {}
+        if head is not None:
+            self._prompt_batch.head = head
+            self._prompt_batch.remaining = lambda: self._currently_processing
         if buckets:
             self._prompt_batch.buckets = Buckets(self.prefill_batch_size, self._blank)
         self._counters_mine, self._keep_caches = counters, keep_caches
@@ -322,6 +416,8 @@ class Generator(BatchGenerator):  # type: ignore[misc]
 
     def remove(self, uids: list[int], *args: Any, **kw: Any) -> Any:
         self._prompt_batch.riders.difference_update(uids)
+        for u in uids:
+            self._prompt_batch.first.pop(u, None)
         return super().remove(uids, *args, **kw)
 
     def _blank(self, n: int) -> list[Any]:

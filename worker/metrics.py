@@ -202,6 +202,11 @@ COUNTERS = (
         "first_token_passes",
         "Of the decode steps, passes new rows took for their first token alone",
     ),
+    (
+        "mlxq_first_tokens_from_prefill",
+        "first_tokens_from_prefill",
+        "New rows whose first token came from their prefill (no pass of their own)",
+    ),
     ("mlxq_constrained_rows", "constrained_rows", "Rows decoded under a constraint"),
     (
         "mlxq_constraint_compiles",

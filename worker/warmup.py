@@ -7,7 +7,7 @@ build stalls every row of the batch: on this machine's CPU a sweep's batch besid
 jobs once took 2.4 s for one decode step, the first with two sampled rows in it (three
 sampler kernels built for that layout; one sampled row had built the others). Here the
 batch meets those layouts before any job does: greedy rows beside sampled ones, seeded and
-unseeded, one sampled row and several, rows with a first-token pass of their own and rows
+unseeded, one sampled row and several, rows whose prefill gives their first token and rows
 that ride. Then every count goes back to zero and the prompt cache is emptied, so ``mlxq
 info`` counts jobs only. Greedy and seeded rows' tokens are the same with and without it;
 unseeded rows draw from MLX's global generator, which it has moved on.
@@ -103,19 +103,21 @@ def warm_shapes(engine: Any, ids: list[int]) -> int:
             continue
         if engine.prompt_cache is not None:
             engine.prompt_cache.clear()  # so no row finds an earlier one's prefix
+        # A full batch rides as a sweep's refill does: its pass holds all but a prompt's
+        # last token, so its prompts are one token longer than the width. One row does
+        # not ride, as a chat job's: its pass feeds the last token too, where it may.
+        ride = rows > 1
+        fed = not ride and engine.head is not None
         jobs = []
         for r in range(rows):
-            # Each row its own first two tokens, so no two share a prefix; one more
-            # token than the width: the pass holds all but a prompt's last.
+            # Each row its own first two tokens, so no two share a prefix.
             head = [ids[r % len(ids)], ids[(r // len(ids)) % len(ids)]]
             row = head + ids * (1 + width // len(ids))
             req = GenerationRequest(prompt="warm-up", max_tokens=1)
-            job = Job(f"warm-up-{rows}x{width}-{r}", req, row[: width + 1])
+            job = Job(f"warm-up-{rows}x{width}-{r}", req, row[: width + (not fed)])
             job.start("warm-up")
             jobs.append(job)
-        # A full batch rides as a sweep's refill does; one row takes its own first-token
-        # pass, as a chat job's.
-        _run(engine, jobs, ride=rows > 1)
+        _run(engine, jobs, ride=ride)
         ran += 1
     return ran
 
