@@ -129,6 +129,10 @@ serve)
     # this host's cores, raw HTTP and the openai client against submit_many (~30 s).
     log "bench_intake"
     "$PY" ops/bench_intake.py --rounds 5 2>&1 | tee "$OUT/intake.log"
+    # The openai client's own part of a burst's first token: a server that answers at
+    # once, on this host's cores (~10 s).
+    log "bench_client_floor"
+    "$PY" ops/bench_client_floor.py --rounds 5 2>&1 | tee "$OUT/floor.log"
     ;;
 structured)
     # Issue 25: one shared JSON schema on every row, on a quarter of the rows, and a
