@@ -187,7 +187,8 @@ poison = tok.encode("POISON", add_special_tokens=False)[0]
 class FaultyModel:
     # The real model, but an MLX-level error whenever a prefill carries the poison token:
     # what a job that breaks the forward pass looks like to the worker. (Decode steps are
-    # spared: a random model may well generate that token itself.)
+    # spared: a random model may well generate that token itself.) Its body too, which a
+    # prefill that feeds its rows' last tokens runs apart from the head.
     def __init__(self, inner):
         self.inner = inner
 
@@ -197,7 +198,8 @@ class FaultyModel:
         return self.inner(inputs, *a, **kw)
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        got = getattr(self.inner, name)
+        return FaultyModel(got) if name == "model" else got
 
 
 engine = Engine(FaultyModel(model), tok, max_batch=8)

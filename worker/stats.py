@@ -114,12 +114,12 @@ class WorkerStats:
     #: Of ``decode_steps``, the passes new rows took for their first token alone (a
     #: lower level's rows and resumed rows take theirs in the batch's next step).
     first_token_passes: int = 0
-    #: New rows whose first token came from the prefill that fed their last prompt token
-    #: (no pass of their own).
-    first_tokens_from_prefill: int = 0
     #: The decode steps a busy batch lets waiting jobs gather (``--admit-hold-steps``,
     #: ``auto`` as decided where MLX runs the model).
     admit_hold_steps: int = 0
+    #: New rows whose first token came from the prefill that fed their last prompt token
+    #: (no pass of their own).
+    first_tokens_from_prefill: int = 0
 
     @property
     def state(self) -> str:
