@@ -94,6 +94,7 @@ COUNTERS = (
     "tokens_generated",
     "decode_steps",
     "first_token_passes",
+    "first_tokens_from_prefill",
     "prefill_shapes",
 )
 

@@ -28,10 +28,12 @@ from mlxq.worker.stages import Stages
 
 @dataclass
 class StepCounters:
+    #: The batch's model passes of one token a row, each sampled in one call.
     decode_steps: int = 0
     #: Of those, the passes new rows took for their first token alone (rows that ride
     #: take none: :meth:`mlxq.worker.generator.Generator.ride`; nor do rows whose prefill
-    #: fed their last prompt token, counted in ``first_tokens_from_prefill``).
+    #: fed their last prompt token: ``first_tokens_from_prefill`` counts those rows, whose
+    #: first tokens are sampled in one call, not in a step).
     first_token_passes: int = 0
     first_tokens_from_prefill: int = 0
     vectorized_steps: int = 0
@@ -218,10 +220,11 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
                 self.counters.seen.add((rows,))
             fed = self._first_logits is not None
             out = self._batched_step()
+        if fed:  # no model pass: the rows' first tokens, sampled from their prefill's logits
+            self.counters.first_tokens_from_prefill += rows
+            return out
         self.counters.count_step(rows, sampler.calls - before)
-        first = self._stage == "first_token"
-        self.counters.first_token_passes += first and not fed
-        self.counters.first_tokens_from_prefill += len(self.uids) if first and fed else 0
+        self.counters.first_token_passes += self._stage == "first_token"
         return out
 
     def _batched_step(self) -> tuple[list[int], list[TokenLogprob | None]]:
