@@ -258,7 +258,8 @@ def test_a_row_fed_by_its_prefill_decodes_as_with_a_pass_of_its_own(loaded, buck
     """A prefill that ends its rows' prompts feeds their last tokens too, and their first
     token comes from its logits: one pass fewer per row, and the same tokens and log-probs
     as mlx-lm's extra pass gives, for prompts of every length (one longer than a prefill
-    step, whose last chunk is fed), greedy and seeded, alone and beside a busy batch."""
+    step, whose last chunk is fed), greedy and seeded, alone and beside a busy batch, with
+    rows of padding under them where the pass is bucketed."""
     model, tok = loaded
     prompts = ["Hi", "The harbour at dawn", " ".join(["gulls over the quay"] * 9)]
     reqs = {f"g{i}": _req(p, 10) for i, p in enumerate(prompts)}
@@ -274,9 +275,9 @@ def test_a_row_fed_by_its_prefill_decodes_as_with_a_pass_of_its_own(loaded, buck
         engine.add([busy])
         apply_deltas(engine.step())
         names = list(records)
-        engine.add([records[n] for n in names[:3]])  # beside the busy row
+        engine.add([records[n] for n in names[:5]])  # beside the busy row; bucketed: 6 rows
         apply_deltas(engine.step())
-        engine.add([records[n] for n in names[3:]])
+        engine.add([records[n] for n in names[5:]])
         while engine.active:
             apply_deltas(engine.step())
             padding_agrees(engine)
