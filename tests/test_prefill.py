@@ -235,7 +235,8 @@ def test_the_default_pads_only_on_cuda(loaded):
 
 def test_gathered_refills_join_cohorts_of_equal_jobs(loaded):
     """Jobs of one length that started in cohorts a step apart (a gateway's burst)
-    refill as one cohort once their rows wait for each other: fewer prefills, fuller steps."""
+    refill as one cohort once their rows wait for each other: fewer prefills, and no more
+    decode steps (their first tokens come from their prefills, so a refill adds no step)."""
     model, tok = loaded
 
     def run(hold: int) -> tuple[int, int, list[list[int]]]:
@@ -263,7 +264,7 @@ def test_gathered_refills_join_cohorts_of_equal_jobs(loaded):
     passes4, steps4, tokens4 = run(4)
     assert tokens4 == tokens0  # greedy: the same tokens, whatever the cohorts
     assert passes0 == 15  # three cohorts refill on their own, all five rounds
-    assert passes4 < passes0 and steps4 < steps0
+    assert passes4 < passes0 and steps4 <= steps0
 
 
 # -- the worker's options -----------------------------------------------------------------------
