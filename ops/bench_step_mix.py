@@ -1,0 +1,97 @@
+"""What a sampled row, more rows or a longer row cost a greedy batch's decode step.
+
+The sweep beside chat jobs (ops/bench_priority.py) runs its decode steps slower than the
+sweep alone: its batch holds a row or two more, sampled (seeded, temperature 0.7) where the
+sweep's rows are greedy. This times one step (model pass, log-softmax, one sampler call)
+outside the worker on the same shapes, each variant alone and synchronized per step, then
+the sampler call alone on random log-probs of the model's vocabulary.
+
+    python ops/bench_step_mix.py                 # 0.5B shape (bf16, 4-bit)
+    python ops/bench_step_mix.py --shape tiny    # a CPU's quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kv_rows import Batch, build
+
+from mlxq.batching.sampler import RowParams, sample
+from mlxq.producer.params import SamplingParams
+
+
+def run(model, rows: int, sampled: int, prompt: int, steps: int, seeded: bool) -> float:
+    batch = Batch(model, rows, prompt)
+    params = [SamplingParams(temperature=0.0)] * (rows - sampled) + [
+        SamplingParams(temperature=0.7, seed=(k if seeded else None)) for k in range(sampled)
+    ]
+    rp = RowParams.from_params(params, 0)
+    times = []
+    for i in range(steps + 5):
+        start = time.perf_counter()
+        logits = model(batch.next[:, None], cache=batch.caches)[:, -1, :]
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        pos = mx.array([prompt + i] * rows)
+        batch.next = sample(lp, rp, pos)
+        mx.eval(batch.next, *batch.arrays())
+        if i >= 5:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def sampler_only(rows: int, sampled: int, vocab: int, steps: int) -> float:
+    params = [SamplingParams(temperature=0.0)] * (rows - sampled) + [
+        SamplingParams(temperature=0.7, seed=k) for k in range(sampled)
+    ]
+    rp = RowParams.from_params(params, 0)
+    x = mx.random.normal((rows, vocab)).astype(mx.bfloat16)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    mx.eval(lp)
+    times = []
+    for i in range(steps + 5):
+        start = time.perf_counter()
+        mx.eval(sample(lp, rp, mx.array([i] * rows)))
+        if i >= 5:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="0.5b")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=60)
+    args = ap.parse_args()
+    model = build(args.shape, args.bits)
+    print("rows sampled seeded prompt  ms/step (median)")
+    for rows, sampled, seeded, prompt in [
+        (64, 0, False, 40),
+        (64, 0, False, 40),
+        (65, 0, False, 40),
+        (66, 0, False, 40),
+        (65, 1, True, 40),
+        (65, 1, False, 40),
+        (66, 2, True, 40),
+        (64, 1, True, 40),
+        (64, 0, False, 120),
+        (65, 1, True, 120),
+        (64, 0, False, 40),
+        (65, 1, True, 40),
+    ]:
+        ms = run(model, rows, sampled, prompt, args.steps, seeded)
+        print(f"{rows:4d} {sampled:7d} {seeded!s:6} {prompt:6d}  {ms:7.2f}")
+    vocab = model.args.vocab_size
+    print(f"the sampler alone, V = {vocab}: rows sampled  ms (median)")
+    for rows, sampled in [(64, 0), (65, 0), (65, 1), (66, 2), (64, 0)]:
+        print(f"{rows:4d} {sampled:7d}  {sampler_only(rows, sampled, vocab, args.steps):7.3f}")
+
+
+if __name__ == "__main__":
+    main()
