@@ -8,6 +8,8 @@ the sampler call alone on random log-probs of the model's vocabulary.
 
     python ops/bench_step_mix.py                 # 0.5B shape (bf16, 4-bit)
     python ops/bench_step_mix.py --shape tiny    # a CPU's quick look
+    python ops/bench_step_mix.py --sampler-only --vocab 64 --sampler-steps 2000
+                                                 # the sampler's dispatch alone (a CPU)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from bench_kv_rows import Batch, build
 
 from mlxq.batching.sampler import RowParams, sample
 from mlxq.producer.params import SamplingParams
+from mlxq.worker.random_model import SHAPES
 
 
 def run(model, rows: int, sampled: int, prompt: int, steps: int, seeded: bool) -> float:
@@ -46,9 +49,16 @@ def run(model, rows: int, sampled: int, prompt: int, steps: int, seeded: bool) -
     return statistics.median(times)
 
 
-def sampler_only(rows: int, sampled: int, vocab: int, steps: int) -> float:
+def sampler_only(rows: int, sampled: int, kind: str, vocab: int, steps: int) -> float:
+    """The sampler call alone: ``sampled`` rows of ``kind`` (seeded, unseeded or top_p,
+    seeded) among greedy ones, on random log-probs."""
     params = [SamplingParams(temperature=0.0)] * (rows - sampled) + [
-        SamplingParams(temperature=0.7, seed=k) for k in range(sampled)
+        SamplingParams(
+            temperature=0.7,
+            top_p=0.9 if kind == "top_p" else 1.0,
+            seed=None if kind == "unseeded" else k,
+        )
+        for k in range(sampled)
     ]
     rp = RowParams.from_params(params, 0)
     x = mx.random.normal((rows, vocab)).astype(mx.bfloat16)
@@ -63,12 +73,34 @@ def sampler_only(rows: int, sampled: int, vocab: int, steps: int) -> float:
     return statistics.median(times)
 
 
+#: (rows, sampled, kind) for the sampler alone.
+ALONE = [
+    (64, 0, "seeded"),
+    (65, 0, "seeded"),
+    (65, 1, "seeded"),
+    (65, 1, "unseeded"),
+    (66, 2, "seeded"),
+    (66, 2, "top_p"),
+    (64, 0, "seeded"),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="0.5b")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument(
+        "--sampler-only",
+        action="store_true",
+        help="time the sampler alone (no model): on a CPU a small --vocab shows its dispatch",
+    )
+    ap.add_argument("--vocab", type=int, help="the sampler's vocabulary (default: the model's)")
+    ap.add_argument("--sampler-steps", type=int, help="calls timed a variant (default: --steps)")
     args = ap.parse_args()
+    if args.sampler_only:
+        alone(args.vocab or SHAPES[args.shape]["vocab_size"], args.sampler_steps or args.steps)
+        return
     model = build(args.shape, args.bits)
     print("rows sampled seeded prompt  ms/step (median)")
     for rows, sampled, seeded, prompt in [
@@ -87,10 +119,14 @@ def main() -> None:
     ]:
         ms = run(model, rows, sampled, prompt, args.steps, seeded)
         print(f"{rows:4d} {sampled:7d} {seeded!s:6} {prompt:6d}  {ms:7.2f}")
-    vocab = model.args.vocab_size
-    print(f"the sampler alone, V = {vocab}: rows sampled  ms (median)")
-    for rows, sampled in [(64, 0), (65, 0), (65, 1), (66, 2), (64, 0)]:
-        print(f"{rows:4d} {sampled:7d}  {sampler_only(rows, sampled, vocab, args.steps):7.3f}")
+    alone(args.vocab or model.args.vocab_size, args.sampler_steps or args.steps)
+
+
+def alone(vocab: int, steps: int) -> None:
+    print(f"the sampler alone, V = {vocab}: rows sampled kind  ms (median)")
+    for rows, sampled, kind in ALONE:
+        ms = sampler_only(rows, sampled, kind, vocab, steps)
+        print(f"{rows:4d} {sampled:7d} {kind:8}  {ms:7.3f}")
 
 
 if __name__ == "__main__":

@@ -185,6 +185,27 @@ def test_seeded_draws_follow_the_distribution() -> None:
     assert_fits(np.bincount(tokens, minlength=64), reference(base[0], params[0]))
 
 
+@pytest.mark.parametrize("num_candidates", [1024, 0], ids=["candidates", "full-sort"])
+def test_unseeded_draws_call_after_call_follow_the_distribution(num_candidates: int) -> None:
+    # One unseeded row among greedy ones, drawn call after call as a decode step draws it:
+    # its noise is new each call (the full-sort path draws it inside a compiled function,
+    # MLX's random state passed through), and a seed of MLX's random repeats the calls.
+    base = _logprobs(3, 48, 1.5, seed=4)
+    params = [SP(), SP(temperature=0.9, top_p=0.97), SP()]
+    rows = RowParams.from_params(params, num_candidates)
+    x, positions = mx.array(base), mx.zeros((3,), dtype=mx.int32)
+
+    def calls(n: int) -> np.ndarray:
+        return np.array([sample(x, rows, positions).tolist() for _ in range(n)])
+
+    mx.random.seed(11)
+    tokens = calls(1500)
+    assert (tokens[:, [0, 2]] == np.argmax(base[[0, 2]], axis=-1)).all()
+    assert_fits(np.bincount(tokens[:, 1], minlength=48), reference(base[1], params[1]))
+    mx.random.seed(11)
+    assert (calls(20) == tokens[:20]).all()
+
+
 def test_rejects_empty_batch_and_wrong_shape() -> None:
     with pytest.raises(ValueError, match="params"):
         RowParams.from_params([])
