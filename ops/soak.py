@@ -94,6 +94,8 @@ class Tally:
     """What the soak saw; written by the submitter, poller, listener and fault threads."""
 
     faults: Counter[str] = field(default_factory=Counter)
+    # (fault, start, end), soak time: what a slow first text overlapped
+    fault_spans: list[tuple[str, float, float]] = field(default_factory=list)
     # job id -> soak | burst | poison | poisoned (a valid job with a rogue key) | race |
     # chat | interactive
     kind: dict[str, str] = field(default_factory=dict)
@@ -968,7 +970,10 @@ class Soak:
                 return
             time.sleep(self.args.gap_s)
             self.doing = fault.__name__
-            self.say(f"{fault.__name__}: {fault()}")
+            start = time.monotonic() - self.t0
+            said = fault()
+            self.t.fault_spans.append((fault.__name__, start, time.monotonic() - self.t0))
+            self.say(f"{fault.__name__}: {said}")
             self.doing = f"after {fault.__name__}"
             self.t.faults[fault.__name__] += 1
             self.check_workers()
@@ -1190,12 +1195,22 @@ class Soak:
         ends = Counter(t.final.get(i, ("lost",))[0] for i in ids)
         unfinished = self.unfinished_interactive()
 
+        def during(i: str, s: float) -> list[str]:
+            """The faults a job's wait for its first text overlapped."""
+            sent = t.sent_s.get(i, 0.0)
+            return [f for f, a, b in t.fault_spans if a <= sent + s and b >= sent]
+
+        def p99(xs: list[float]) -> str:
+            xs = sorted(xs)
+            return f"{1e3 * xs[max(0, math.ceil(0.99 * len(xs)) - 1)]:,.0f} ms ({len(xs)})"
+
         def first(kind: str) -> str:
             xs = sorted(s for i, s in t.first_text_s.items() if t.kind.get(i) == kind)
             if not xs:
                 return "none timed"
-            p99 = xs[max(0, math.ceil(0.99 * len(xs)) - 1)]
-            return f"p50 {1e3 * xs[len(xs) // 2]:,.0f} ms, p99 {1e3 * p99:,.0f} ms ({len(xs)})"
+            return f"p50 {1e3 * xs[len(xs) // 2]:,.0f} ms, p99 {p99(xs)}"
+
+        clear = [s for i, s in t.first_text_s.items() if i in ids and not during(i, s)]
 
         paused = [sum(v[k] for v in t.paused.values()) for k in (0, 1)]
         live = collect(self.c.r)["workers"]
@@ -1211,9 +1226,14 @@ class Soak:
                 f"interactive {first('interactive')}; soak jobs beside them {first('soak')}",
             ),
             (
+                "the same, waits no fault overlapped",
+                f"interactive p99 {p99(clear) if clear else 'none timed'}",
+            ),
+            (
                 "slowest interactive first texts",
                 ", ".join(
-                    f"{i} {1e3 * s:,.0f} ms (sent at {t.sent_s.get(i, 0):.1f}s)"
+                    f"{i} {1e3 * s:,.0f} ms (sent at {t.sent_s.get(i, 0):.1f}s"
+                    f"{''.join(f', {f}' for f in during(i, s))})"
                     for i, s in sorted(
                         ((i, s) for i, s in t.first_text_s.items() if i in ids),
                         key=lambda x: -x[1],
