@@ -8,6 +8,7 @@
 #   then, on the still-warm machine: ... && PARTS=both bash ops/h200.sh priority
 #                                     ... && bash ops/h200.sh serve
 #                                     ... && bash ops/h200.sh structured
+#                                     ... && bash ops/h200.sh step
 #
 # Logs and JSON go to $OUT. SHAPE=tiny with small sizes (SMALL=1) rehearses every part on
 # a CPU.
@@ -19,7 +20,7 @@
 # may lag this tree's; the sources' hash beside it is of the files that ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"which part: prepare, code, priority, serve or structured"}
+part=${1:?"which part: prepare, code, priority, serve, step or structured"}
 
 if [ "$part" = prepare ]; then
     # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
@@ -134,6 +135,16 @@ serve)
     log "bench_client_floor"
     "$PY" ops/bench_client_floor.py --rounds 5 2>&1 | tee "$OUT/floor.log"
     ;;
+step)
+    # A decode step's parts outside the worker: whole steps by rows and sampled rows, and
+    # the sampler call alone (ops/bench_step_mix.py builds its model in memory, ~1 min).
+    # With CODE=.gpu/code TAG=old, the other tree's sampler beside this one's.
+    log "bench_step_mix"
+    step_args=()
+    [ "$small" = 1 ] && step_args=(--steps 3)
+    "$PY" ops/bench_step_mix.py --shape "$SHAPE" "${step_args[@]}" 2>&1 |
+        tee "$OUT/step-mix${TAG:+-$TAG}.log"
+    ;;
 structured)
     # Issue 25: one shared JSON schema on every row, on a quarter of the rows, and a
     # 2,000-question choice sweep, each against the same batch unconstrained.
@@ -145,7 +156,7 @@ structured)
         --answers "$answers" --sweep "$sweep" 2>&1 | tee "$OUT/structured.log"
     ;;
 *)
-    echo "unknown part $part: priority, serve or structured" >&2
+    echo "unknown part $part: priority, serve, step or structured" >&2
     exit 2
     ;;
 esac
