@@ -11,6 +11,7 @@ from typing import Any
 
 from mlxq.producer import keys
 from mlxq.producer.errors import SetupError
+from mlxq.producer.heap import freeze_startup_heap
 from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.worker import config as c
 from mlxq.worker import logs, startup
@@ -371,7 +372,9 @@ def run_worker(args: argparse.Namespace) -> int:
         digest = startup.digest_of(config.model) or ""
         if digest:
             startup.check_model(config, digest)
-    return Worker(config, engine, model_digest=digest).run()
+    worker = Worker(config, engine, model_digest=digest)
+    freeze_startup_heap(f"worker {config.worker_name}")
+    return worker.run()
 
 
 def main(argv: list[str] | None = None) -> int:

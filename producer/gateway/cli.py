@@ -17,6 +17,7 @@ from mlxq.producer.gateway.config import (
     api_key_problem,
     parse_service_tiers,
 )
+from mlxq.producer.heap import freeze_startup_heap
 
 SERVE_INSTALL_HINT = "mlxq serve needs FastAPI and uvicorn: pip install 'mlxq[serve]'"
 #: Seconds open streams get on SIGTERM before they are cut (and their jobs canceled).
@@ -100,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    app = create_app(config)
+    freeze_startup_heap("gateway")
     uvicorn.run(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         log_level=args.log_level.lower(),
