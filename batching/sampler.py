@@ -230,18 +230,14 @@ def _noise(
     """Gumbel noise: a hash of (seed, position, token id) for seeded rows, else mx.random."""
     if not rows.any_seeded:
         return mx.random.gumbel(shape)
-    hashed = _hash_gumbel(tokens, *_row_keys(rows, positions))  # (R, 1) keys: full shape
+    hashed = _hash_gumbel(tokens, *_keys(rows.seed_lo, rows.seed_hi, positions))  # (R, 1) keys
     if rows.all_seeded:
         return hashed
     return mx.where(rows.seeded, hashed, mx.random.gumbel(shape))
 
 
-def _row_keys(rows: RowParams, positions: mx.array) -> tuple[mx.array, mx.array]:
-    """Two 32-bit keys per row, a pure function of (seed, position)."""
-    return _keys(rows.seed_lo, rows.seed_hi, positions)
-
-
 def _keys(seed_lo: mx.array, seed_hi: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+    """Two 32-bit keys per row, a pure function of (seed, position)."""
     pos = positions.astype(mx.uint32).reshape(-1, 1)
     key1 = _fmix32(_fmix32(seed_lo + _GOLD) ^ seed_hi)
     key2 = _fmix32(key1 ^ _fmix32(pos * _GOLD + seed_hi))
@@ -332,7 +328,7 @@ def _draw_wide(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
 
 @functools.cache
 def _wide(
-    top_p: bool, top_k: bool, min_p: bool, any_seeded: bool, all_seeded: bool
+    any_top_p: bool, any_top_k: bool, any_min_p: bool, any_seeded: bool, all_seeded: bool
 ) -> Callable[..., mx.array]:
     """The whole-vocabulary draw for one set of flags, compiled as one function: the
     thresholds, the rows' noise (a seeded row's keys and hash, MLX's random for the
@@ -344,8 +340,8 @@ def _wide(
     def draw(
         x: mx.array,
         positions: mx.array,
-        top_p_: mx.array,
-        top_k_: mx.array,
+        top_p: mx.array,
+        top_k: mx.array,
         log_min_p: mx.array,
         inv_temperature: mx.array,
         seed_lo: mx.array,
@@ -355,14 +351,14 @@ def _wide(
     ) -> mx.array:
         floor = mx.array(_NEG_INF)
         top = None
-        if top_p or top_k:
+        if any_top_p or any_top_k:
             srt = mx.sort(x, axis=-1)  # one sort serves every row's top_p, top_k and min_p
             top = srt[:, -1:]
-            if top_p:
-                floor = _full_top_p(x, top_p_, srt)
-            if top_k:
-                floor = mx.maximum(floor, _full_top_k(srt, top_k_))
-        if min_p:  # the row max alone costs ~15% of this draw: taken only if used
+            if any_top_p:
+                floor = _full_top_p(x, top_p, srt)
+            if any_top_k:
+                floor = mx.maximum(floor, _full_top_k(srt, top_k))
+        if any_min_p:  # the row max alone costs ~15% of this draw: taken only if used
             peak = top if top is not None else x.max(axis=-1, keepdims=True)
             floor = mx.maximum(floor, peak + log_min_p)
         if any_seeded:
