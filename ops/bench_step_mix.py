@@ -18,7 +18,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -29,48 +31,54 @@ from mlxq.batching.sampler import RowParams, sample
 from mlxq.producer.params import SamplingParams
 from mlxq.worker.random_model import SHAPES
 
+#: Calls each variant makes before its timed ones (kernels built, buffers allocated).
+WARM = 5
 
-def run(model, rows: int, sampled: int, prompt: int, steps: int, seeded: bool) -> float:
-    batch = Batch(model, rows, prompt)
+
+def mix(rows: int, sampled: int, kind: str) -> RowParams:
+    """Greedy rows, then ``sampled`` rows of ``kind`` (seeded, unseeded or top_p, seeded)
+    at temperature 0.7, as a sweep's batch holds chat rows."""
+    top_p, seeded = (0.9 if kind == "top_p" else 1.0), kind != "unseeded"
     params = [SamplingParams(temperature=0.0)] * (rows - sampled) + [
-        SamplingParams(temperature=0.7, seed=(k if seeded else None)) for k in range(sampled)
+        SamplingParams(temperature=0.7, top_p=top_p, seed=k if seeded else None)
+        for k in range(sampled)
     ]
-    rp = RowParams.from_params(params, 0)
+    return RowParams.from_params(params, 0)
+
+
+def median_ms(call: Callable[[int], list[mx.array]], steps: int) -> float:
+    """The median time of ``call(i)`` and the evaluation of what it returns, synchronized,
+    over ``steps`` calls after :data:`WARM` untimed ones."""
     times = []
-    for i in range(steps + 5):
+    for i in range(steps + WARM):
         start = time.perf_counter()
-        logits = model(batch.next[:, None], cache=batch.caches)[:, -1, :]
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        pos = mx.array([prompt + i] * rows)
-        batch.next = sample(lp, rp, pos)
-        mx.eval(batch.next, *batch.arrays())
-        if i >= 5:
+        mx.eval(*call(i))
+        if i >= WARM:
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def run(model: Any, rows: int, sampled: int, prompt: int, steps: int, seeded: bool) -> float:
+    """One decode step: the model's pass, log-softmax and the sampler call."""
+    batch = Batch(model, rows, prompt)
+    rp = mix(rows, sampled, "seeded" if seeded else "unseeded")
+
+    def step(i: int) -> list[mx.array]:
+        logits = model(batch.next[:, None], cache=batch.caches)[:, -1, :]
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        batch.next = sample(lp, rp, mx.array([prompt + i] * rows))
+        return [batch.next, *batch.arrays()]
+
+    return median_ms(step, steps)
 
 
 def sampler_only(rows: int, sampled: int, kind: str, vocab: int, steps: int) -> float:
-    """The sampler call alone: ``sampled`` rows of ``kind`` (seeded, unseeded or top_p,
-    seeded) among greedy ones, on random log-probs."""
-    params = [SamplingParams(temperature=0.0)] * (rows - sampled) + [
-        SamplingParams(
-            temperature=0.7,
-            top_p=0.9 if kind == "top_p" else 1.0,
-            seed=None if kind == "unseeded" else k,
-        )
-        for k in range(sampled)
-    ]
-    rp = RowParams.from_params(params, 0)
+    """The sampler call alone, on random log-probs."""
+    rp = mix(rows, sampled, kind)
     x = mx.random.normal((rows, vocab)).astype(mx.bfloat16)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     mx.eval(lp)
-    times = []
-    for i in range(steps + 5):
-        start = time.perf_counter()
-        mx.eval(sample(lp, rp, mx.array([i] * rows)))
-        if i >= 5:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return median_ms(lambda i: [sample(lp, rp, mx.array([i] * rows))], steps)
 
 
 #: (rows, sampled rows, seeded, prompt) for whole steps; the plain 64-row step comes
