@@ -185,19 +185,29 @@ class Worker:
 # -- one run ------------------------------------------------------------------------------
 
 
-def job_times(url: str, ids: Sequence[str]) -> dict[str, float]:
+def job_times(
+    url: str, ids: Sequence[str], release: float | None = None, end: float | None = None
+) -> dict[str, float]:
     """From the jobs' rq records: how long their enqueues spread (first to last), and
-    how long they waited from enqueue to start (p50, max): how they reached the worker."""
-    got = records(url, ids)
-    enq = [e for e, _ in got if e is not None]
-    waits = [s - e for e, s in got if e is not None and s is not None]
+    how long they waited from enqueue to start (p50, max): how they reached the worker.
+    With the client's ``release`` and ``end`` (unix seconds, this machine's clock): how
+    long its first job took to reach the queue (head), and how long after the worker
+    ended the last job the client had the last result or chunk (tail): the run's wall
+    less the worker's span is these two."""
+    got = records(url, ids, ("enqueued_at", "started_at", "ended_at"))
+    enq = [e for e, _, _ in got if e is not None]
+    waits = [s - e for e, s, _ in got if e is not None and s is not None]
+    ends = [x for _, _, x in got if x is not None]
     if not enq or not waits:
         return {}
-    return {
+    times = {
         "enqueue_spread_s": max(enq) - min(enq),
         "wait_p50_s": statistics.median(waits),
         "wait_max_s": max(waits),
     }
+    if release is not None and end is not None and len(ends) == len(ids):
+        times |= {"head_s": min(enq) - release, "tail_s": end - max(ends)}
+    return times
 
 
 @dataclass
@@ -209,6 +219,7 @@ class Run:
     wall_s: float
     errors: int = 0
     gateway_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0  # this process's, the client's (serve modes)
     intake: Intake | None = None
     times: dict[str, float] = field(default_factory=dict)
     first_errors: list[str] = field(default_factory=list)
@@ -232,15 +243,15 @@ class Bench:
         try:
             _, intake_of = w.run()
             kws = [dict(messages=chat(t), max_tokens=self.args.tokens, **GREEDY) for t in texts]
-            t0 = time.perf_counter()
+            t0, release = time.perf_counter(), time.time()
             jobs = client.submit_many(kws)
             results = [j.result(timeout=WAIT_S) for j in jobs]
-            wall = time.perf_counter() - t0
+            wall, end = time.perf_counter() - t0, time.time()
         finally:
             client.close()
         tokens = sum(r.usage["completion_tokens"] for r in results)
         intake = intake_of()
-        times = job_times(w.url, [j.id for j in jobs])
+        times = job_times(w.url, [j.id for j in jobs], release, end)
         return Run("submit", variant, len(texts), tokens, wall, intake=intake, times=times)
 
     def each_run(self, w: Worker, variant: str, texts: list[str]) -> Run:
@@ -248,25 +259,28 @@ class Bench:
         gateway sends them: their arrival without HTTP's cost on this machine's cores."""
         _, intake_of = w.run()
         kws = [dict(messages=chat(t), max_tokens=self.args.tokens, **GREEDY) for t in texts]
-        t0 = time.perf_counter()
+        t0, release = time.perf_counter(), time.time()
         ids, tokens = asyncio.run(submit_each(w.url, w.queue, kws))
-        wall = time.perf_counter() - t0
-        intake, times = intake_of(), job_times(w.url, ids)
+        wall, end = time.perf_counter() - t0, time.time()
+        intake, times = intake_of(), job_times(w.url, ids, release, end)
         return Run("each", variant, len(texts), tokens, wall, intake=intake, times=times)
 
     def serve_run(
         self, w: Worker, variant: str, texts: list[str], check: bool = True, warm: bool = False
     ) -> Run:
         _, intake_of = w.run()
-        g0 = cpu_s(self.gw_pid)
+        g0, c0 = cpu_s(self.gw_pid), time.process_time()
         run_ = run_streams(self.base, w.queue, texts, self.args.tokens, warm=warm)
         streams, wall = asyncio.run(run_)
-        gw = cpu_s(self.gw_pid) - g0
+        end = time.time()
+        gw, cli = cpu_s(self.gw_pid) - g0, time.process_time() - c0
         tokens = sum(s.tokens for s in streams)
         intake = intake_of()
         mode = "serve-warm" if warm else "serve"
-        run = Run(mode, variant, len(texts), tokens, wall, gateway_cpu_s=gw, intake=intake)
-        run.times = job_times(w.url, [s.id.split("-", 1)[1] for s in streams if s.id])
+        run = Run(mode, variant, len(texts), tokens, wall, gateway_cpu_s=gw, client_cpu_s=cli)
+        run.intake = intake
+        ids = [s.id.split("-", 1)[1] for s in streams if s.id]
+        run.times = job_times(w.url, ids, end - wall, end)
         client = Client(w.url, w.queue)
         try:
             for s in streams:
@@ -496,7 +510,9 @@ def _row(r: Run, q: dict[str, float]) -> str:
             f"{i.rows_per_prefill:>6.1f} {i.prefill_shapes_new:>4} {i.admit_held_steps:>5} "
             f"{i.jobs_claimed:>5}/{i.claim_calls:<5} "
             f"{1e3 * t.get('enqueue_spread_s', nan):>7.0f} {1e3 * t.get('wait_p50_s', nan):>7.0f} "
-            f"{r.gateway_cpu_s / r.wall_s if r.wall_s else 0:>5.2f}  {hist(i.prefill_batch_sizes)}"
+            f"{1e3 * t.get('head_s', nan):>6.0f} {1e3 * t.get('tail_s', nan):>6.0f} "
+            f"{r.gateway_cpu_s / r.wall_s if r.wall_s else 0:>5.2f} "
+            f"{r.client_cpu_s / r.wall_s if r.wall_s else 0:>5.2f}  {hist(i.prefill_batch_sizes)}"
         )
     return " ".join(cells) + (f"  ERRORS {r.errors}" if r.errors else "")
 
@@ -523,7 +539,8 @@ def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[st
     lines = [
         f"{'mode':<10} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
         f"{'steps':>6} {'r/st':>5} {'bs+':>4} {'pf':>5} {'rows':>6} {'sh+':>4} {'held':>5} "
-        f"{'claimed/calls':<11} {'enq ms':>7} {'wait ms':>7} {'gwCPU':>5}  prefill rows x passes",
+        f"{'claimed/calls':<11} {'enq ms':>7} {'wait ms':>7} {'head':>6} {'tail':>6} {'gwCPU':>5} "
+        f"{'cliCPU':>5}  prefill rows x passes",
     ]
     for _, r in sorted(best.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         lines.append(_row(r, ratios(best, r)))
@@ -552,7 +569,10 @@ def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[st
         "hardly depends on its rows, as on a GPU); bs+: decode batch sizes new to the "
         "worker; pf: prefill passes (rows: rows a pass); sh+: new (rows, padded length) "
         "prefill shapes; held: decode steps a busy batch let jobs gather; enq ms: first to "
-        "last enqueue; wait ms: enqueue to start, p50; gwCPU: gateway cores busy"
+        "last enqueue; wait ms: enqueue to start, p50; head: release to the first enqueue, "
+        "ms; tail: the worker's last job ended to the client's last result or chunk, ms "
+        "(wall = head + the worker's span + tail); gwCPU, cliCPU: gateway's and client's "
+        "cores busy"
     )
     return "\n".join(lines)
 

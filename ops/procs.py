@@ -169,13 +169,16 @@ def rq_time(raw: bytes | None) -> float | None:
     return datetime.fromisoformat(raw.decode().replace("Z", "+00:00")).timestamp()
 
 
-def records(url: str, ids: Sequence[str]) -> list[tuple[float | None, float | None]]:
-    """Each job's enqueued_at and started_at (unix seconds) from its rq record."""
+def records(
+    url: str, ids: Sequence[str], fields: Sequence[str] = ("enqueued_at", "started_at")
+) -> list[tuple[float | None, ...]]:
+    """Each job's ``fields`` of its rq record (by default enqueued_at and started_at), as
+    unix seconds."""
     r = redis.Redis.from_url(url)
     try:
         with r.pipeline(transaction=False) as p:
             for i in ids:
-                p.hmget(f"{RQ_JOB}{i}", ["enqueued_at", "started_at"])
-            return [(rq_time(e), rq_time(s)) for e, s in p.execute()]
+                p.hmget(f"{RQ_JOB}{i}", list(fields))
+            return [tuple(rq_time(v) for v in got) for got in p.execute()]
     finally:
         r.close()
