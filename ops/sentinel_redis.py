@@ -167,6 +167,31 @@ class SentinelRedis:
             raise RuntimeError(f"{n} replicas of {port} not in 60 s: {self._roles()}") from None
         _wait(lambda: int(c.wait(n, 1000)) >= n, "replicas to catch up", 60)
 
+    def wait_primary_replicas(self, n: int, timeout: float = 60.0) -> int:
+        """Wait until the primary has ``n`` replicas in sync, whichever node the sentinels
+        name at each look (on a busy machine a primary that stalls past
+        ``down_after_ms`` is failed over once more, and a wait on the node it was would
+        wait on a replica); its port."""
+
+        def ready() -> bool:
+            try:
+                c = self.client(self.master_port())
+                info = c.info("replication")
+                if info["role"] != "master" or int(info["connected_slaves"]) < n:
+                    return False
+                return int(c.wait(n, 1000)) >= n
+            except RuntimeError:  # no sentinel answers (yet)
+                return False
+
+        try:
+            _wait(ready, "the primary's replicas", timeout)
+        except RuntimeError:
+            raise RuntimeError(
+                f"the primary has no {n} replicas in sync in {timeout:.0f} s "
+                f"({self.failovers()} failovers so far): {self._roles()}"
+            ) from None
+        return self.master_port()
+
     def _roles(self) -> dict[int, str]:
         roles = {}
         for p in self.procs:

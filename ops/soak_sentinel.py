@@ -136,9 +136,9 @@ def _kill(setup: SentinelRedis, tally: Tally) -> None:
     kill = Kill(time.monotonic())
     with tally.lock:
         tally.kills.append(kill)
-    new = setup.wait_failover(port)
+    setup.wait_failover(port)
     setup.restart(port)
-    setup.wait_replicas(new, 2)
+    setup.wait_primary_replicas(2)
     setup.wait_healthy()
     kill.failovers = setup.failovers() - before
 

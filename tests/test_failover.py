@@ -68,7 +68,7 @@ def test_a_primary_killed_mid_stream_loses_no_job_and_no_chunk(
     assert any(lis.resets for lis in listeners[:4]), "a running job restreamed its text"
     # And back: the old primary returns as a replica, the new one is killed in turn.
     sentinel_redis.restart(old)
-    sentinel_redis.wait_replicas(sentinel_redis.master_port(), 2)
+    sentinel_redis.wait_primary_replicas(2)
     sentinel_redis.wait_healthy()
     sentinel_redis.wait_failover_gap()
     last = _long(client, 2) + _sweep(client, 6, 40)
