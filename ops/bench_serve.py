@@ -275,10 +275,9 @@ class Bench:
         end = time.time()
         gw, cli = cpu_s(self.gw_pid) - g0, time.process_time() - c0
         tokens = sum(s.tokens for s in streams)
-        intake = intake_of()
         mode = "serve-warm" if warm else "serve"
-        run = Run(mode, variant, len(texts), tokens, wall, gateway_cpu_s=gw, client_cpu_s=cli)
-        run.intake = intake
+        run = Run(mode, variant, len(texts), tokens, wall, intake=intake_of())
+        run.gateway_cpu_s, run.client_cpu_s = gw, cli
         ids = [s.id.split("-", 1)[1] for s in streams if s.id]
         run.times = job_times(w.url, ids, end - wall, end)
         client = Client(w.url, w.queue)
