@@ -3,12 +3,15 @@ every job ends exactly once, and every listener ends with the full text, in orde
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from listener import Listener
 from opshelp import wait_for
 
 from mlxq.producer import Client
 from mlxq.producer import keys as k
+from mlxq.worker.resync import MasterWatch
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +83,28 @@ def test_a_primary_killed_mid_stream_loses_no_job_and_no_chunk(
     for lis in late:
         lis.check()
     _ended_once(sentinel_redis, last)
+
+
+def test_a_writer_back_from_an_outage_waits_for_a_master_check_begun_after_it():
+    """The writer, back from an outage, writes nothing until the heartbeat has checked the
+    master: a check already under way when it came back may have read the old master (a
+    failover unseen, jobs ending past a gap in their log), so only one begun after counts."""
+    watch = MasterWatch()
+    under_way = watch.begin()
+    pokes: list[int] = []
+    got: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(watch.wait_fresh(30, lambda: pokes.append(1)))
+    )
+    waiter.start()
+    wait_for(lambda: pokes, "the writer to ask for a check")
+    watch.done(under_way)
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got, "a check begun before the wait satisfied it"
+    watch.done(watch.begin())
+    waiter.join(30)
+    assert got == [True]
+    assert watch.wait_fresh(0.05, lambda: None) is False  # no check since: it says so
 
 
 def test_a_failover_while_a_batch_of_ends_commits(sentinel_redis, queue_name, start_worker):

@@ -141,8 +141,15 @@ class Liveness(Helper):
 
     def _watch_master(self) -> None:
         # After a failover the new master may lack the old one's last writes.
+        check = self.master.begin()
         if self.master.changed(self.bridge.redis):
             after_failover(self.bridge, self.held, self.inbox)
+        self.master.done(check)
+
+    def master_checked(self, timeout: float) -> bool:
+        """Whether the master was checked (and resynced, if it changed) after this call,
+        within ``timeout`` seconds: what the writer waits for after an outage."""
+        return self.master.wait_fresh(timeout, self.poke)
 
     def _check_suspended(self) -> None:
         suspended = self.bridge.suspended()

@@ -64,7 +64,12 @@ class Worker:
         self.bridge = Bridge(config)
         inbox: Inbox = queue.SimpleQueue()
         self.held = Held()
-        self.sink = Sink(self.bridge, inbox, on_lease_lost=lambda: self.liveness.poke())
+        self.sink = Sink(
+            self.bridge,
+            inbox,
+            on_lease_lost=lambda: self.liveness.poke(),
+            master_checked=lambda timeout: self.liveness.master_checked(timeout),
+        )
         self.prefetch = Prefetcher(
             self.bridge,
             self.sink,

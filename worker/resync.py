@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+from collections.abc import Callable
 
 import redis
 
@@ -30,11 +32,36 @@ log = logging.getLogger("mlxq.worker")
 
 
 class MasterWatch:
-    """Tells when the master this worker writes to is another server than before."""
+    """Tells when the master this worker writes to is another server than before, and
+    lets a writer back from an outage wait for a check that began after it came back (so
+    a new master is resynced before anything more is written to it)."""
 
     def __init__(self) -> None:
         self.run_id: str | None = None
         self.refused = False
+        self._checks = threading.Condition()
+        self._begun = 0  # checks begun
+        self._done = 0  # the last check done, what a change called for included
+
+    def begin(self) -> int:
+        """A check begins; its number, for :meth:`done`."""
+        with self._checks:
+            self._begun += 1
+            return self._begun
+
+    def done(self, check: int) -> None:
+        """Check ``check`` is done, and the resync a change called for with it."""
+        with self._checks:
+            self._done = max(self._done, check)
+            self._checks.notify_all()
+
+    def wait_fresh(self, timeout: float, poke: Callable[[], None]) -> bool:
+        """Wait until a check that begins after this call is done (``poke`` asks for it
+        now); False if none is within ``timeout`` seconds (Redis still away)."""
+        with self._checks:
+            want = self._begun + 1  # one begun before now may have read the old master
+            poke()
+            return self._checks.wait_for(lambda: self._done >= want, timeout)
 
     def changed(self, client: redis.Redis) -> bool:
         # Ask the sentinels too (a Sentinel pool only): a master they replaced while it

@@ -6,7 +6,10 @@ since its last write in one round trip (a :class:`~mlxq.worker.writes.Flush`), i
 A start closes a flush: its reply (the job may have been canceled or taken meanwhile) is
 known before anything later of that job is written. During an outage or under Redis OOM
 it retries the same flush, in order, until it lands; running rows keep decoding meanwhile.
-Replies go back through ``inbox`` (:mod:`mlxq.worker.messages`)."""
+Back from an outage it writes nothing until the heartbeat has checked the master since (a
+new one, after a failover, may lack the tail of a log: it is resynced first, so the runs
+it keeps restream in full rather than go on past a gap). Replies go back through
+``inbox`` (:mod:`mlxq.worker.messages`)."""
 
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ log = logging.getLogger("mlxq.worker")
 
 #: Jobs whose start was refused, remembered so their later writes are dropped.
 VOID_MEMORY = 10_000
+#: How long one try back from an outage waits for the master's check before backing off.
+MASTER_CHECK_WAIT_S = 2.0
 
 
 class _Stop(Exception):
@@ -71,6 +76,8 @@ class Sink:
         inbox: Where replies go: :class:`Started` (start verdicts), :class:`Ended`,
             :class:`Settled` (failed before start, or handed back), :class:`WriteFailed`.
         on_lease_lost: Called when a write was refused for the lease (ask for a beat now).
+        master_checked: Back from an outage, waits up to the seconds given for the master
+            to be checked (and resynced, if it changed) since; False if it was not.
     """
 
     def __init__(
@@ -78,8 +85,11 @@ class Sink:
         bridge: Bridge,
         inbox: Inbox,
         on_lease_lost: Callable[[], None],
+        master_checked: Callable[[float], bool] = lambda _: True,
     ) -> None:
         self.bridge, self.inbox, self.on_lease_lost = bridge, inbox, on_lease_lost
+        self.master_checked = master_checked
+        self._away = False  # a write met an outage: check the master before the next
         self._q: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._void: OrderedDict[str, None] = OrderedDict()
         self._abort = threading.Event()
@@ -240,6 +250,10 @@ class Sink:
         def attempt() -> FlushReply | None:
             if self._abort.is_set():
                 raise _Stop
+            if self._away:
+                if not self.master_checked(MASTER_CHECK_WAIT_S):
+                    raise redis.ConnectionError("the master is not checked since the outage")
+                self._away = False
             wanted = self._ttl_wanted
             flush = self._flush_of(ops)  # again each try: the lease may have moved on
             if not flush:
@@ -251,8 +265,10 @@ class Sink:
                 self.refresh_ttls()
                 self.on_lease_lost()
                 raise
-            except TRANSIENT:
+            except TRANSIENT as e:
                 self.refresh_ttls()
+                # Refused for memory, the same master answered; else it may be another.
+                self._away |= not isinstance(e, redis.exceptions.OutOfMemoryError)
                 raise
             if flush.chunks:
                 self._ttl_done = max(self._ttl_done, wanted)
