@@ -8,6 +8,7 @@ Imports neither MLX nor mlx-lm, so it runs in any web backend.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,7 @@ class Client:
             integer_in("max_queued", max_queued, 0, 1 << 40, note=TTL_NOTE)
         self.redis = connection or connect(resolve_url(redis_url))
         self._subscriber: Subscriber | None = None
+        self._subscriber_made = threading.Lock()
         self.queue_name = queue
         self.max_tokens_cap = max_tokens_cap
         self.result_ttl = result_ttl
@@ -389,9 +391,12 @@ class Client:
 
     @property
     def subscriber(self) -> Subscriber:
-        """The one pub/sub connection all of this client's streams share."""
+        """The one pub/sub connection all of this client's streams share (made once, by
+        whichever of the threads that stream first gets there)."""
         if self._subscriber is None:
-            self._subscriber = Subscriber(self.redis)
+            with self._subscriber_made:
+                if self._subscriber is None:
+                    self._subscriber = Subscriber(self.redis)
         return self._subscriber
 
     def close(self) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -60,6 +62,34 @@ def test_hundreds_of_threads_stream_through_one_pubsub_connection(
     assert texts == [j.result(timeout=10).text for j in jobs]
     assert peak[0] == 1, "all of this client's streams shared one connection"
     client.close()
+
+
+def test_threads_that_stream_first_at_once_make_one_subscriber(redis_server, queue_name):
+    """The first streams of a client, in many threads at once, share one subscriber (one
+    pub/sub connection, one reader thread): none makes a second that nothing closes."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: the race, if any
+    try:
+        for _ in range(20):
+            client = Client(redis_server.url, queue=queue_name)
+            start = threading.Barrier(32)
+            seen: set[int] = set()
+
+            def first(client: Client, start: threading.Barrier, seen: set[int]) -> None:
+                start.wait()
+                seen.add(id(client.subscriber))
+
+            threads = [
+                threading.Thread(target=first, args=(client, start, seen)) for _ in range(32)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            client.close()
+            assert len(seen) == 1, f"{len(seen)} subscribers for one client"
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_hundreds_of_async_streams_through_one_pubsub_connection(
