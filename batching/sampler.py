@@ -225,15 +225,23 @@ def _column(values: Sequence[float | int | bool], dtype: mx.Dtype) -> mx.array:
 
 
 def _noise(
-    shape: tuple[int, ...], tokens: mx.array, rows: RowParams, positions: mx.array
+    shape: tuple[int, ...],
+    tokens: mx.array,
+    positions: mx.array,
+    seed_lo: mx.array,
+    seed_hi: mx.array,
+    seeded: mx.array,
+    any_seeded: bool,
+    all_seeded: bool,
 ) -> mx.array:
-    """Gumbel noise: a hash of (seed, position, token id) for seeded rows, else mx.random."""
-    if not rows.any_seeded:
+    """Gumbel noise: a hash of (seed, position, token id) for seeded rows, else mx.random
+    (RowParams' columns and flags, so the compiled draw can call it on its inputs)."""
+    if not any_seeded:
         return mx.random.gumbel(shape)
-    hashed = _hash_gumbel(tokens, *_keys(rows.seed_lo, rows.seed_hi, positions))  # (R, 1) keys
-    if rows.all_seeded:
+    hashed = _hash_gumbel(tokens, *_keys(seed_lo, seed_hi, positions))  # (R, 1) keys
+    if all_seeded:
         return hashed
-    return mx.where(rows.seeded, hashed, mx.random.gumbel(shape))
+    return mx.where(seeded, hashed, mx.random.gumbel(shape))
 
 
 def _keys(seed_lo: mx.array, seed_hi: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
@@ -361,13 +369,8 @@ def _wide(
         if any_min_p:  # the row max alone costs ~15% of this draw: taken only if used
             peak = top if top is not None else x.max(axis=-1, keepdims=True)
             floor = mx.maximum(floor, peak + log_min_p)
-        if any_seeded:
-            tokens = mx.arange(x.shape[-1], dtype=mx.uint32).reshape(1, -1)
-            g = _hash_gumbel(tokens, *_keys(seed_lo, seed_hi, positions))
-            if not all_seeded:
-                g = mx.where(seeded, g, mx.random.gumbel(x.shape))
-        else:
-            g = mx.random.gumbel(x.shape)
+        tokens = mx.arange(x.shape[-1], dtype=mx.uint32).reshape(1, -1)
+        g = _noise(x.shape, tokens, positions, seed_lo, seed_hi, seeded, any_seeded, all_seeded)
         x32 = x.astype(mx.float32)
         z = mx.where(x >= floor, mx.where(plain, x32, x32 * inv_temperature + g), _NEG_INF)
         return mx.argmax(z, axis=-1).astype(mx.uint32)
@@ -381,7 +384,16 @@ def _draw_narrow(
     vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams, positions: mx.array
 ) -> mx.array:
     """Gumbel-max over each row's kept candidates only."""
-    g = _noise(vals.shape, idx, rows, positions)
+    g = _noise(
+        vals.shape,
+        idx,
+        positions,
+        rows.seed_lo,
+        rows.seed_hi,
+        rows.seeded,
+        rows.any_seeded,
+        rows.all_seeded,
+    )
     z = mx.where(keep, vals * rows.inv_temperature + g, _NEG_INF)
     pick = mx.argmax(z, axis=-1, keepdims=True)
     return mx.take_along_axis(idx, pick, axis=-1).reshape(-1)
