@@ -298,17 +298,23 @@ async def open_pool(client: openai.AsyncOpenAI, n: int) -> None:
 
 
 async def run_streams(
-    base: str, queue: str, prompts: Sequence[str], max_tokens: int, warm: bool = False
+    base: str,
+    queue: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    warm: bool = False,
+    at: float | None = None,
 ) -> tuple[list[Stream], float]:
     """``prompts`` as concurrent streams released together, and the wall time from their
     release to the last one's end. ``warm``: the client's pool holds a connection for
-    each before the release, else each request opens its own."""
+    each before the release, else each request opens its own. ``at``: released at this
+    wall-clock time (``time.time()``), so client processes can start together."""
     async with oai_client(base, len(prompts)) as client:
         if warm:
             await open_pool(client, len(prompts))
         go = asyncio.Event()
         tasks = [asyncio.create_task(one_stream(client, queue, p, max_tokens, go)) for p in prompts]
-        await asyncio.sleep(0)  # every task parked on go
+        await asyncio.sleep(0 if at is None else max(0.0, at - time.time()))
         t0 = time.perf_counter()
         go.set()
         streams = await asyncio.gather(*tasks)

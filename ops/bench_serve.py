@@ -22,6 +22,9 @@ CPU; 0.5b is the GPU's), starts one ``mlxq worker --max-batch B`` per --variant 
   serve-warm  the same, the client's pool holding a connection for each before the
            release (a web backend's long-lived client): each request's own TCP connect
            left out
+  serve-split the same streams over --client-procs processes, an openai client each,
+           released together: the gateway and the worker with the client's own Python
+           process out of the way (opt-in: --modes)
 
 then the first-token latency of a burst of --burst jobs on an idle worker: the Python
 client's (``AsyncClient.submit_many``, submit to each job's first chunk), the openai
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -61,6 +65,7 @@ import procs
 import redis
 from bench_e2e import Direct, model_dir_for
 from bench_gateway import (
+    Stream,
     cpu_s,
     environment,
     oai_client,
@@ -266,16 +271,26 @@ class Bench:
         return Run("each", variant, len(texts), tokens, wall, intake=intake, times=times)
 
     def serve_run(
-        self, w: Worker, variant: str, texts: list[str], check: bool = True, warm: bool = False
+        self,
+        w: Worker,
+        variant: str,
+        texts: list[str],
+        check: bool = True,
+        warm: bool = False,
+        split: int = 1,
     ) -> Run:
         _, intake_of = w.run()
         g0, c0 = cpu_s(self.gw_pid), time.process_time()
-        run_ = run_streams(self.base, w.queue, texts, self.args.tokens, warm=warm)
-        streams, wall = asyncio.run(run_)
+        if split > 1:
+            streams, wall, cli = split_streams(self.base, w.queue, texts, self.args.tokens, split)
+        else:
+            run_ = run_streams(self.base, w.queue, texts, self.args.tokens, warm=warm)
+            streams, wall = asyncio.run(run_)
+            cli = time.process_time() - c0
         end = time.time()
-        gw, cli = cpu_s(self.gw_pid) - g0, time.process_time() - c0
+        gw = cpu_s(self.gw_pid) - g0
         tokens = sum(s.tokens for s in streams)
-        mode = "serve-warm" if warm else "serve"
+        mode = "serve-split" if split > 1 else "serve-warm" if warm else "serve"
         run = Run(mode, variant, len(texts), tokens, wall, intake=intake_of())
         run.gateway_cpu_s, run.client_cpu_s = gw, cli
         ids = [s.id.split("-", 1)[1] for s in streams if s.id]
@@ -294,6 +309,39 @@ class Bench:
         finally:
             client.close()
         return run
+
+
+def _pid(_: int) -> int:
+    time.sleep(0.2)  # long enough that every process of the pool takes one
+    return os.getpid()
+
+
+def _client_part(
+    base: str, queue: str, texts: list[str], tokens: int, at: float
+) -> tuple[list[Stream], float, float]:
+    """One process's share of a ``serve-split`` run: its streams through its own openai
+    client, released at ``at``; the wall-clock time its last ended, its CPU seconds."""
+    c0 = time.process_time()
+    streams, _ = asyncio.run(run_streams(base, queue, texts, tokens, at=at))
+    return streams, time.time(), time.process_time() - c0
+
+
+def split_streams(
+    base: str, queue: str, texts: list[str], tokens: int, procs_: int
+) -> tuple[list[Stream], float, float]:
+    """``texts`` as streams over ``procs_`` client processes released together: the
+    streams, the wall from the release to the last one's end, the clients' CPU seconds."""
+    with multiprocessing.get_context("spawn").Pool(procs_) as pool:
+        for _ in range(100):  # until every process has imported this module and takes work
+            if len(set(pool.map(_pid, range(3 * procs_), chunksize=1))) == procs_:
+                break
+        else:
+            raise RuntimeError(f"{procs_} client processes did not all start")
+        at = time.time() + 0.5
+        shares = [(base, queue, texts[k::procs_], tokens, at) for k in range(procs_)]
+        parts = pool.starmap(_client_part, shares, chunksize=1)
+    streams = [s for part, _, _ in parts for s in part]
+    return streams, max(e for _, e, _ in parts) - at, sum(c for _, _, c in parts)
 
 
 async def submit_each(url: str, queue: str, kws: list[dict[str, Any]]) -> tuple[list[str], int]:
@@ -484,7 +532,7 @@ def ratios(best: dict[tuple[str, str, int], Run], r: Run) -> dict[str, float]:
     s = best.get(("submit", r.variant, r.streams))
     if d is not None and r.mode != "direct":
         out["vs_direct"] = r.tok_s / d.tok_s
-    if s is not None and r.mode == "serve":
+    if s is not None and r.mode.startswith("serve"):
         out["vs_submit"] = r.tok_s / s.tok_s
     return out
 
@@ -499,7 +547,7 @@ def _row(r: Run, q: dict[str, float]) -> str:
     i, t = r.intake, r.times
     nan = float("nan")
     cells = [
-        f"{r.mode:<10} {r.variant or '(default)':<28} {r.streams:>5} {r.tok_s:>8.1f}",
+        f"{r.mode:<11} {r.variant or '(default)':<28} {r.streams:>5} {r.tok_s:>8.1f}",
         f"{q.get('vs_direct', nan):>7.2f} {q.get('vs_submit', nan):>7.2f}",
     ]
     if i is not None:
@@ -530,13 +578,13 @@ def stages(best: dict[tuple[str, str, int], Run]) -> list[str]:
         shown = [i.busy_ms.get(k, 0.0) / i.decode_steps for k in SHOWN_STAGES]
         total = sum(i.busy_ms.values()) / i.decode_steps
         cells = " ".join(f"{v:.2f}" for v in [*shown, total - sum(shown), total])
-        lines.append(f"  {r.mode:<10} {r.variant or '(default)':<28} {r.streams:>5}  {cells}")
+        lines.append(f"  {r.mode:<11} {r.variant or '(default)':<28} {r.streams:>5}  {cells}")
     return lines
 
 
 def summary(best: dict[tuple[str, str, int], Run], ttfts: dict[str, list[dict[str, float]]]) -> str:
     lines = [
-        f"{'mode':<10} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
+        f"{'mode':<11} {'variant':<28} {'N':>5} {'tok/s':>8} {'/direct':>7} {'/submit':>7} "
         f"{'steps':>6} {'r/st':>5} {'bs+':>4} {'pf':>5} {'rows':>6} {'sh+':>4} {'held':>5} "
         f"{'claimed/calls':<11} {'enq ms':>7} {'wait ms':>7} {'head':>6} {'tail':>6} {'gwCPU':>5} "
         f"{'cliCPU':>5}  prefill rows x passes",
@@ -602,8 +650,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--modes",
         default="direct,submit,serve,serve-warm",
-        help="subset of direct,submit,each,serve,serve-warm (each: the Python client, one "
-        "submit a job; serve-warm: serve with the client's connections open beforehand)",
+        help="subset of direct,submit,each,serve,serve-warm,serve-split (each: the Python "
+        "client, one submit a job; serve-warm: serve with the client's connections open "
+        "beforehand; serve-split: serve over --client-procs client processes)",
+    )
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=4,
+        help="client processes of a serve-split run (default 4)",
     )
     ap.add_argument("--no-ttft", action="store_true", help="skip the first-token bursts")
     ap.add_argument("--seed", type=int, default=0)
@@ -619,10 +674,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.eos_reachable = False  # jobs of equal length: refills line up on both sides
     args.variant = args.variant or [""]
     args.modes = args.modes.split(",")
-    if bad := set(args.modes) - {"direct", "submit", "each", "serve", "serve-warm"}:
+    modes = {"direct", "submit", "each", "serve", "serve-warm", "serve-split"}
+    if bad := set(args.modes) - modes:
         ap.error(f"--modes: unknown {','.join(sorted(bad))}")
-    if min(args.batch, args.tokens, args.burst, args.rounds, *args.streams) < 1:
-        ap.error("--batch, --tokens, --burst, --rounds and --streams must be >= 1")
+    if min(args.batch, args.tokens, args.burst, args.rounds, args.client_procs, *args.streams) < 1:
+        ap.error("--batch, --tokens, --burst, --rounds, --client-procs and --streams must be >= 1")
     return args
 
 
@@ -673,10 +729,13 @@ def run_point(bench: Bench, workers: list[tuple[str, Worker]], n: int, tag: str)
         if "serve-warm" in bench.args.modes:
             texts = [prompt(tag + "w", i) for i in range(n)]
             runs.append(bench.serve_run(w, variant, texts, warm=True))
+        if "serve-split" in bench.args.modes:
+            texts = [prompt(tag + "p", i) for i in range(n)]
+            runs.append(bench.serve_run(w, variant, texts, split=bench.args.client_procs))
     for r in runs:
         i = r.intake
         more = f", {i.prefill_passes} prefills, {i.admit_held_steps} held" if i else ""
-        print(f"  {r.mode:<10} {r.variant or '(default)':<28} {n:>5} {r.tok_s:9.1f} tok/s{more}")
+        print(f"  {r.mode:<11} {r.variant or '(default)':<28} {n:>5} {r.tok_s:9.1f} tok/s{more}")
     return runs
 
 

@@ -120,10 +120,13 @@ serve)
     variants=(--variant=)
     [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
     streams=64,256,1024 tokens=128
+    # serve-split: the same streams over 4 client processes, the openai client's own
+    # Python process out of the way (MODES adds serve-warm: the pool open beforehand).
+    modes=direct,submit,serve,serve-split
     [ "$small" = 1 ] && streams=64 tokens=16
     log "bench_serve $streams streams"
     "$PY" ops/bench_serve.py "${shape_args[@]}" --model-dir "$MODEL" --batch 64 \
-        --tokens "$tokens" --streams "$streams" --burst 64 \
+        --tokens "$tokens" --streams "$streams" --burst 64 --modes "${MODES:-$modes}" \
         "${variants[@]}" --json "$OUT/serve.json" 2>&1 |
         tee "$OUT/serve.log"
     # The way in alone (worker suspended): how soon a burst's requests reach the queue on
