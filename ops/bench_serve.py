@@ -237,6 +237,7 @@ class Run:
 class Bench:
     def __init__(self, args: argparse.Namespace, direct: Direct, base: str, gw_pid: int) -> None:
         self.args, self.direct, self.base, self.gw_pid = args, direct, base, gw_pid
+        self.clients: ClientPool | None = None  # serve-split's processes, made once
 
     def direct_run(self, texts: list[str]) -> Run:
         ids = [self.direct.encode_chat(t) for t in texts]
@@ -282,7 +283,9 @@ class Bench:
         _, intake_of = w.run()
         g0, c0 = cpu_s(self.gw_pid), time.process_time()
         if split > 1:
-            streams, wall, cli = split_streams(self.base, w.queue, texts, self.args.tokens, split)
+            if self.clients is None:
+                self.clients = ClientPool(split)
+            streams, wall, cli = self.clients.streams(self.base, w.queue, texts, self.args.tokens)
         else:
             run_ = run_streams(self.base, w.queue, texts, self.args.tokens, warm=warm)
             streams, wall = asyncio.run(run_)
@@ -320,28 +323,39 @@ def _client_part(
     base: str, queue: str, texts: list[str], tokens: int, at: float
 ) -> tuple[list[Stream], float, float]:
     """One process's share of a ``serve-split`` run: its streams through its own openai
-    client, released at ``at``; the wall-clock time its last ended, its CPU seconds."""
+    client, released at ``at``; the wall-clock time its last stream ended (``at`` plus
+    its wall: not its client's close, nor the way back to the parent), its CPU seconds."""
     c0 = time.process_time()
-    streams, _ = asyncio.run(run_streams(base, queue, texts, tokens, at=at))
-    return streams, time.time(), time.process_time() - c0
+    streams, wall = asyncio.run(run_streams(base, queue, texts, tokens, at=at))
+    return streams, at + wall, time.process_time() - c0
 
 
-def split_streams(
-    base: str, queue: str, texts: list[str], tokens: int, procs_: int
-) -> tuple[list[Stream], float, float]:
-    """``texts`` as streams over ``procs_`` client processes released together: the
-    streams, the wall from the release to the last one's end, the clients' CPU seconds."""
-    with multiprocessing.get_context("spawn").Pool(procs_) as pool:
+class ClientPool:
+    """``n`` client processes for ``serve-split`` runs, kept for the whole benchmark so
+    that each has imported the openai client and opened its lazy parts (the warm-up's
+    run) before a timed one."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pool = n, multiprocessing.get_context("spawn").Pool(n)
         for _ in range(100):  # until every process has imported this module and takes work
-            if len(set(pool.map(_pid, range(3 * procs_), chunksize=1))) == procs_:
-                break
-        else:
-            raise RuntimeError(f"{procs_} client processes did not all start")
+            if len(set(self.pool.map(_pid, range(3 * n), chunksize=1))) == n:
+                return
+        raise RuntimeError(f"{n} client processes did not all start")
+
+    def streams(
+        self, base: str, queue: str, texts: list[str], tokens: int
+    ) -> tuple[list[Stream], float, float]:
+        """``texts`` as streams over the processes, released together: the streams, the
+        wall from the release to the last one's end, the clients' CPU seconds."""
         at = time.time() + 0.5
-        shares = [(base, queue, texts[k::procs_], tokens, at) for k in range(procs_)]
-        parts = pool.starmap(_client_part, shares, chunksize=1)
-    streams = [s for part, _, _ in parts for s in part]
-    return streams, max(e for _, e, _ in parts) - at, sum(c for _, _, c in parts)
+        shares = [(base, queue, texts[k :: self.n], tokens, at) for k in range(self.n)]
+        parts = self.pool.starmap(_client_part, shares, chunksize=1)
+        streams = [s for part, _, _ in parts for s in part]
+        return streams, max(e for _, e, _ in parts) - at, sum(c for _, _, c in parts)
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
 
 
 async def submit_each(url: str, queue: str, kws: list[dict[str, Any]]) -> tuple[list[str], int]:
@@ -757,14 +771,20 @@ def measure(args: argparse.Namespace, url: str, work: Path, started: list[Any]) 
     for variant, w in workers:
         bench.submit_run(w, variant, warm)
         bench.serve_run(w, variant, warm, check=False)
+        if "serve-split" in args.modes:
+            bench.serve_run(w, variant, warm, check=False, split=args.client_procs)
     runs: list[Run] = []
     ttfts: dict[str, list[dict[str, float]]] = {v: [] for v, _ in workers}
-    for rnd in range(args.rounds):
-        print(f"round {rnd + 1}/{args.rounds}", flush=True)
-        for n in args.streams:
-            runs += run_point(bench, workers, n, f"r{rnd}n{n}")
-        for variant, w in workers if not args.no_ttft else ():
-            ttfts[variant].append(ttft(w, base, f"t{rnd}", args.burst, args.tokens))
+    try:
+        for rnd in range(args.rounds):
+            print(f"round {rnd + 1}/{args.rounds}", flush=True)
+            for n in args.streams:
+                runs += run_point(bench, workers, n, f"r{rnd}n{n}")
+            for variant, w in workers if not args.no_ttft else ():
+                ttfts[variant].append(ttft(w, base, f"t{rnd}", args.burst, args.tokens))
+    finally:
+        if bench.clients is not None:
+            bench.clients.close()
     best = best_of(runs)
     print("\n" + summary(best, ttfts if not args.no_ttft else {}))
     for r in runs:

@@ -124,9 +124,10 @@ serve)
     # Python process out of the way (MODES adds serve-warm: the pool open beforehand).
     modes=direct,submit,serve,serve-split
     [ "$small" = 1 ] && streams=64 tokens=16
+    streams=${STREAMS:-$streams}  # STREAMS=64,256 ROUNDS=2: the short points twice
     log "bench_serve $streams streams"
     "$PY" ops/bench_serve.py "${shape_args[@]}" --model-dir "$MODEL" --batch 64 \
-        --tokens "$tokens" --streams "$streams" --burst 64 --modes "${MODES:-$modes}" \
+        --tokens "$tokens" --streams "$streams" --burst 64 --modes "${MODES:-$modes}" --rounds "${ROUNDS:-1}" \
         "${variants[@]}" --json "$OUT/serve.json" 2>&1 |
         tee "$OUT/serve.log"
     # The way in alone (worker suspended): how soon a burst's requests reach the queue on
