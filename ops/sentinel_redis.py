@@ -78,7 +78,7 @@ class SentinelRedis:
             self._node(port, primary)
         for port in self.sentinel_ports:
             self._sentinel(port, primary)
-        self.wait_replicas(primary, 2)
+        self.wait_primary_replicas(2)
         _wait(self._sentinels_agree, "the sentinels to see each other and both replicas")
 
     @property
@@ -157,15 +157,6 @@ class SentinelRedis:
             except (redis.RedisError, TypeError):
                 continue
         raise RuntimeError("no sentinel answers")
-
-    def wait_replicas(self, port: int, n: int) -> None:
-        """Wait until the primary on ``port`` has ``n`` replicas in sync."""
-        c = self.client(port)
-        try:
-            _wait(lambda: int(c.info("replication")["connected_slaves"]) >= n, "replicas", 60)
-        except RuntimeError:
-            raise RuntimeError(f"{n} replicas of {port} not in 60 s: {self._roles()}") from None
-        _wait(lambda: int(c.wait(n, 1000)) >= n, "replicas to catch up", 60)
 
     def wait_primary_replicas(self, n: int, timeout: float = 60.0) -> int:
         """Wait until the primary has ``n`` replicas in sync, whichever node the sentinels
@@ -275,9 +266,8 @@ class SentinelRedis:
         """One more replica of the primary, in sync; its port."""
         (port,) = _free_ports(1)
         self.data_ports.append(port)
-        primary = self.master_port()
-        self._node(port, primary)
-        self.wait_replicas(primary, len(self.data_ports) - 1)
+        self._node(port, self.master_port())
+        self.wait_primary_replicas(len(self.data_ports) - 1)
         return port
 
     def stop(self) -> None:
