@@ -20,7 +20,7 @@
 # may lag this tree's; the sources' hash beside it is of the files that ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"which part: prepare, code, priority, serve, step or structured"}
+part=${1:?"which part: prepare, code, priority, serve, step, fused or structured"}
 
 if [ "$part" = prepare ]; then
     # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
@@ -149,6 +149,14 @@ step)
     "$PY" ops/bench_step_mix.py --shape "$SHAPE" "${step_args[@]}" 2>&1 |
         tee "$OUT/step-mix${TAG:+-$TAG}.log"
     ;;
+fused)
+    # A decode step and a chat row's prefill, two passes against one fused pass
+    # (ops/bench_fused.py builds its model in memory), 4-bit and bfloat16.
+    for bits in 4 0; do
+        log "bench_fused bits $bits"
+        "$PY" ops/bench_fused.py --shape "$SHAPE" --bits "$bits" 2>&1 | tee -a "$OUT/fused.log"
+    done
+    ;;
 structured)
     # Issue 25: one shared JSON schema on every row, on a quarter of the rows, and a
     # 2,000-question choice sweep, each against the same batch unconstrained.
@@ -160,7 +168,7 @@ structured)
         --answers "$answers" --sweep "$sweep" 2>&1 | tee "$OUT/structured.log"
     ;;
 *)
-    echo "unknown part $part: priority, serve, step or structured" >&2
+    echo "unknown part $part: priority, serve, step, fused or structured" >&2
     exit 2
     ;;
 esac

@@ -31,3 +31,19 @@ def test_the_sampler_alone_at_a_vocabulary_given():
     assert lines[0].startswith("the sampler alone, V = 64:"), done.stdout
     kinds = [line.split()[2] for line in lines[1:]]
     assert kinds == ["seeded", "seeded", "seeded", "unseeded", "seeded", "top_p", "seeded"]
+
+
+def test_bench_fused_times_each_way_and_finds_the_fused_logits_agree():
+    """ops/bench_fused.py: a decode step alone and as one sequence, a new row's prefill
+    alone, beside the step and fused with it; the fused logits checked against two passes."""
+    argv = [sys.executable, str(OPS / "bench_fused.py"), "--shape", "tiny", "--rows", "4"]
+    argv += ["--steps", "2", "--widths", "8,16"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=OPS)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("4 rows holding 100: decode step alone"), done.stdout
+    rows = lines[2:]
+    assert [r.split()[0] for r in rows] == ["8", "16"], done.stdout
+    for r in rows:
+        assert r.endswith("argmax same"), r
+        assert float(r.split("max diff ")[1].split(",")[0]) < 1e-4, r

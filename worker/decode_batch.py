@@ -21,6 +21,7 @@ from mlxq.batching.history import TokenHistory
 from mlxq.batching.logits import apply
 from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
 from mlxq.batching.rows import RowSampler
+from mlxq.worker.fused_pass import FusedPass
 from mlxq.worker.kv_pack import filter_rows, row_cache
 from mlxq.worker.prompt_cache import MIN_REUSE
 from mlxq.worker.stages import Stages
@@ -147,12 +148,16 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         stage: str = "decode",
         ride: bool = False,
         first_logits: mx.array | None = None,
+        fused: FusedPass | None = None,
         **kw: Any,
     ) -> None:
         self._history: TokenHistory | None = None
         #: The rows' logits after their last prompt token, where their prefill fed it: the
         #: constructor's step samples from these instead of a pass of its own.
         self._first_logits = first_logits
+        #: The model's layers over the rows' tokens as one sequence (None: mlx-lm's call
+        #: of a token a row); kept by the batch this one joins, which has its own.
+        self._fused = fused
         # Before mlx-lm's constructor, which samples a first step: a batch of new rows
         # counts that step as their ``first_token`` stage, the running batch as ``decode``;
         # a batch that rides takes no step of its own (``riding``).
@@ -240,6 +245,8 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         mx.async_eval(inputs)
         if self._first_logits is not None:  # the prefill fed the inputs: their pass ran
             logits, self._first_logits = self._first_logits, None
+        elif self._fused is not None:
+            logits = self._fused.decode(inputs, self.prompt_cache)
         else:
             logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         grammar = sampler.grammar_rows

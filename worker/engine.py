@@ -26,6 +26,7 @@ from mlxq.worker.config import WorkerConfig
 from mlxq.worker.decode_batch import StepCounters
 from mlxq.worker.detok import Detokenizer, special_ids
 from mlxq.worker.encode import context_length, encode, vocab_size
+from mlxq.worker.fused_pass import fused_pass
 from mlxq.worker.generator import Generator
 from mlxq.worker.grammars import Grammars
 from mlxq.worker.jobs import Job
@@ -61,6 +62,9 @@ class Engine:
         fed_prefill: New rows that do not ride take their first token from the prefill
             that ends their prompts, not a pass of their own, where the model splits into
             a body and a head (:mod:`mlxq.worker.model_head`); False: mlx-lm's extra pass.
+        one_sequence: Decode steps run the batch's tokens as one sequence through the
+            model's token-wise layers (:mod:`mlxq.worker.fused_pass`), where its layers
+            are the common decoder layout; False: mlx-lm's call of a token a row.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class Engine:
         paused_kv_bytes: int | None = None,
         prefill_buckets: bool | None = False,
         fed_prefill: bool = True,
+        one_sequence: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
@@ -111,6 +116,10 @@ class Engine:
         #: The model's body and head apart, where its call is those two: a prefill that
         #: ends new rows' prompts feeds their last tokens and gives their first tokens.
         self.head = model_head(model) if fed_prefill else None
+        #: The model's layers run over the batch's tokens as one sequence: on MLX's CUDA
+        #: backend a 4-bit model's projections of 64 rows a token each ran as 64 products
+        #: of a vector (an H100: 19.1 ms a 0.5B step against 9.6 as one sequence).
+        self.fused = fused_pass(model) if one_sequence else None
         self.max_context = context_length(model)
         self.vocab_size = vocab_size(model, tokenizer)
         self.tool_format = tool_format(tokenizer)
@@ -172,6 +181,7 @@ class Engine:
             keep_caches=self.prompt_cache is not None,
             buckets=self.prefill_buckets,
             head=self.head,
+            fused=self.fused,
             **self._kw,
         )
         for row in self._rows.values():

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.decode_batch import BoundGenerationBatch, StepCounters
+from mlxq.worker.fused_pass import FusedPass
 from mlxq.worker.kv_pack import row_copy
 from mlxq.worker.model_head import Head
 from mlxq.worker.prompt_batch import BoundPromptBatch, Buckets
@@ -48,6 +49,8 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             a prefill that ends rows' prompts feeds their last tokens too (rows that do
             not ride), and their first tokens come from its logits at those positions: one
             pass fewer per new row. None: mlx-lm's way, a pass of the new rows alone.
+        fused: The model's layers over a batch's tokens as one sequence
+            (:mod:`mlxq.worker.fused_pass`), for every decode step; None: mlx-lm's call.
         **kw: mlx-lm's own ``BatchGenerator`` arguments.
     """
 
@@ -60,6 +63,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         keep_caches: bool = False,
         buckets: bool = False,
         head: Head | None = None,
+        fused: FusedPass | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(model, sampler=sampler, **kw)
@@ -67,6 +71,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
         self._prompt_batch.counters = counters
+        self._prompt_batch.fused = fused
         self._prompt_batch.riders = set()
         self._prompt_batch.first = {}
         if head is not None:
@@ -74,7 +79,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             self._prompt_batch.remaining = lambda: self._currently_processing
         if buckets:
             self._prompt_batch.buckets = Buckets(self.prefill_batch_size, self._blank)
-        self._counters_mine, self._keep_caches = counters, keep_caches
+        self._counters_mine, self._keep_caches, self._fused = counters, keep_caches, fused
         #: Riders that waited out a call for rows that do not ride (:meth:`_riders_wait`).
         self._waited: set[int] = set()
         self._generation_batch = self._empty_batch()
@@ -93,6 +98,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             max_tokens=[],
             stop_sequences=[],
             counters=self._counters_mine,
+            fused=self._fused,
         )
         batch.keep_caches = self._keep_caches
         return batch

@@ -23,6 +23,7 @@ from mlx_lm.generate import PromptProcessingBatch, _extend_cache
 
 from mlxq.batching.prefill import prefill_shape
 from mlxq.worker.decode_batch import BoundGenerationBatch, StepCounters
+from mlxq.worker.fused_pass import FusedPass
 from mlxq.worker.kv_pack import filter_rows
 from mlxq.worker.model_head import Head
 
@@ -56,6 +57,9 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
     #: The model's body and head apart (:mod:`mlxq.worker.model_head`), for the logits
     #: of a pass that feeds last tokens.
     head: Head | None = None
+    #: The model's layers over a batch's tokens as one sequence, for the decode steps of
+    #: the generation batches it makes; set by the generator, kept by every copy.
+    fused: FusedPass | None = None
     #: Rows whose prefill fed their last prompt token too: the logits it left them, kept
     #: until their first token is sampled (:meth:`generate`); shared with every copy.
     first: dict[int, mx.array]
@@ -63,6 +67,7 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
     def _copy(self) -> Any:
         moved = super()._copy()
         moved.counters, moved.buckets, moved.riders = self.counters, self.buckets, self.riders
+        moved.fused = self.fused
         # Not remaining nor head: a copy's rows are handed over (generate), never fed.
         moved.first = self.first
         return moved
@@ -223,6 +228,7 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
             stage="first_token",
             ride=ride,
             first_logits=first,
+            fused=self.fused,
         )
         self.uids, self.prompt_cache, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens = [], [], []

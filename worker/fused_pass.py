@@ -1,0 +1,177 @@
+"""A decode step and a new row's prefill in one model pass.
+
+Why. Beside a sweep, each chat job's prefill is a model pass of its own: on an H100 a
+one-row prefill of a chat prompt cost the batch about what a decode step of 64 rows does
+(16.3 against 15.1 ms, 0.5B shape: both mostly the cost of a pass's ~500 kernels), so each
+chat job took the sweep one step's time besides its row. Most of a pass works token by
+token (the norms, every projection, the MLP): those can take the decode rows' tokens and
+the new row's prompt as one sequence. Only rotary positions, the caches and attention
+are per row; they run twice, once for the batch (one token a row, its own cache and mask)
+and once for the new row (its prompt, its own cache).
+
+Which models. The common decoder layout of mlx-lm's llama, qwen2, qwen3 and mistral
+models: ``model.model`` with ``embed_tokens``, ``layers`` and ``norm``; each layer
+``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
+``rope``, ``n_heads``, ``n_kv_heads``, ``scale``, optional ``q_norm`` / ``k_norm``),
+``post_attention_layernorm`` and ``mlp``, every layer attending to all it holds. Any other
+model, or one whose fused logits do not agree with its own calls' on a check at load
+(:func:`fused_pass`), keeps two passes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+log = logging.getLogger(__name__)
+
+#: How far the fused logits may be from two passes' (relative and absolute, in float32):
+#: a projection over more rows may round apart in bfloat16.
+TOLERANCE = 1e-2
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+_LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedPass:
+    """The model's body, its layers and its head, to run a decode step and one new row's
+    prompt in one pass (:meth:`__call__`)."""
+
+    inner: Any
+    head: Callable[[mx.array], mx.array]
+
+    def decode(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+        """Feed each batch row its next token (``tokens``, one a row, into ``caches``) as
+        one sequence; return the rows' logits (rows x vocabulary)."""
+        return self._run(tokens, caches, [], [])
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        caches: list[Any],
+        prompt: list[int],
+        new_caches: list[Any],
+    ) -> tuple[mx.array, mx.array]:
+        """Feed each batch row its next token (``tokens``, one a row, into ``caches``) and
+        the new row its ``prompt`` (into ``new_caches``); return the batch's logits (rows x
+        vocabulary) and the new row's after its last prompt token (1 x vocabulary)."""
+        logits = self._run(tokens, caches, prompt, new_caches)
+        rows = tokens.shape[0]
+        return logits[:rows], logits[rows:]
+
+    def _run(
+        self, tokens: mx.array, caches: list[Any], prompt: list[int], new_caches: list[Any]
+    ) -> mx.array:
+        rows, width = tokens.shape[0], len(prompt)
+        inner = self.inner
+        ids = tokens.astype(mx.uint32)
+        if width:
+            ids = mx.concatenate([ids, mx.array(prompt, mx.uint32)])
+        # (1, rows + width, dims): one sequence for the token-wise work. A quantized
+        # projection of (rows, 1, dims) runs as rows products of one vector each on some
+        # backends; of (1, rows, dims), as one product of a matrix.
+        h = inner.embed_tokens(ids)[None]
+        parts = [(slice(0, rows), rows, 1, caches, create_attention_mask(h[:, :1], caches[0]))]
+        if width:
+            mask = create_attention_mask(h[:, rows:], new_caches[0])
+            parts.append((slice(rows, rows + width), 1, width, new_caches, mask))
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            out = [
+                _attend(attn, q[0, s], k[0, s], v[0, s], b, n, c[i], m) for s, b, n, c, m in parts
+            ]
+            h = h + attn.o_proj(out[0] if len(out) == 1 else mx.concatenate(out, axis=1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = inner.norm(h)
+        if width:
+            h = h[:, mx.array([*range(rows), rows + width - 1])]
+        return self.head(h)[0]
+
+
+def _attend(
+    attn: Any, q: mx.array, k: mx.array, v: mx.array, b: int, n: int, cache: Any, mask: Any
+) -> mx.array:
+    """One part's attention, as the model's own attention module runs it on (b, n) tokens
+    after its projections; returned as (1, b * n, heads x dims)."""
+    q = q.reshape(b, n, attn.n_heads, -1)
+    k = k.reshape(b, n, attn.n_kv_heads, -1)
+    v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if (q_norm := getattr(attn, "q_norm", None)) is not None:
+        q = q_norm(q)
+    if (k_norm := getattr(attn, "k_norm", None)) is not None:
+        k = k_norm(k)
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+    q = attn.rope(q, offset=cache.offset)
+    k = attn.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    o = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    return o.transpose(0, 2, 1, 3).reshape(1, b * n, -1)
+
+
+def fused_pass(model: Any) -> FusedPass | None:
+    """``model`` as a :class:`FusedPass` where its layout is the common one and a fused
+    pass's logits agree with its own calls' (checked on a short batch); None otherwise."""
+    name = type(model).__name__
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = getattr(getattr(inner, "embed_tokens", None), "as_linear", None)
+    layers = getattr(inner, "layers", None)
+    if (
+        not callable(head)
+        or not layers
+        or not all(hasattr(inner, a) for a in ("embed_tokens", "norm"))
+        or not all(hasattr(layer, a) for layer in layers for a in _LAYER)
+        or not all(hasattr(layer.self_attn, a) for layer in layers for a in _ATTN)
+        or any(getattr(layer, "use_sliding", False) for layer in layers)
+    ):
+        log.info("fused prefill: %s's layers are not the common layout", name)
+        return None
+    fused = FusedPass(inner, head)
+    try:
+        same = _agrees(model, fused)
+    except Exception as e:  # a layer whose parts are called otherwise
+        log.info("fused prefill: %s: %s: %s", name, type(e).__name__, e)
+        return None
+    if not same:
+        log.info("fused prefill: %s's fused pass differs from its own calls", name)
+        return None
+    return fused
+
+
+def _agrees(model: Any, fused: FusedPass) -> bool:
+    """Whether a fused pass gives what the model's own two calls give: a batch of two rows
+    (one left-padded) decoding a token, and a new row of three prompt tokens."""
+    prompts, prompt = [[5, 6, 7, 8], [9, 10]], [11, 12, 13]
+
+    def batch() -> list[Any]:
+        caches = [BatchKVCache([0, 2]) for _ in model.layers]
+        model(mx.array([prompts[0], [0, 0, *prompts[1]]]), cache=caches)
+        return caches
+
+    ours, theirs = batch(), batch()
+    tokens = mx.array([3, 4])
+    want = model(tokens[:, None], cache=theirs)[:, -1, :]
+    want_new = model(mx.array([prompt]), cache=make_prompt_cache(model))[:, -1, :]
+    got, got_new = fused(tokens, ours, prompt, make_prompt_cache(model))
+    again = model(tokens[:, None], cache=theirs)[:, -1, :]
+    got_again = fused.decode(tokens, ours)
+    pairs = ((want, got), (want_new, got_new), (again, got_again))
+    return all(
+        a.shape == b.shape
+        and bool(
+            mx.allclose(
+                a.astype(mx.float32), b.astype(mx.float32), rtol=TOLERANCE, atol=TOLERANCE
+            ).item()
+        )
+        for a, b in pairs
+    )
