@@ -146,3 +146,107 @@ def test_an_engine_decoding_as_one_sequence_emits_the_same_tokens(loaded):
     assert {n: t for n, (t, _) in ours.items()} == {n: t for n, (t, _) in theirs.items()}
     for n, (_, lps) in ours.items():
         assert lps == pytest.approx(theirs[n][1], abs=1e-4), n
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["unpadded", "bucketed"])
+def test_a_row_prefilled_in_the_batchs_decode_pass_decodes_as_in_a_pass_of_its_own(loaded, buckets):
+    """A chat row that starts alone beside a busy batch runs its prompt in the batch's
+    decode pass: no pass of its own, its first token out of that very call, and the same
+    tokens and log-probs as a prefill of its own gives (greedy, seeded, one token only, a
+    stop string, a prompt cache keeping what ends; a prompt padded to a bucketed width)."""
+    model, tok = loaded
+    chats = {
+        "greedy": GenerationRequest(prompt="A chat turn arrives", max_tokens=9),
+        "seeded": GenerationRequest(
+            prompt="The harbour at dawn, gulls over the quay",
+            max_tokens=7,
+            sampling=SamplingParams(temperature=0.9, seed=3),
+        ),
+        "one": GenerationRequest(prompt="Just one token", max_tokens=1),
+        "stop": GenerationRequest(prompt="Stop early", max_tokens=12, stop=["e"]),
+    }
+    chats = {n: dataclasses.replace(r, logprobs=True) for n, r in chats.items()}
+
+    def run(one_sequence: bool) -> tuple[dict, int, int]:
+        engine = Engine(
+            model,
+            tok,
+            max_batch=8,
+            prompt_cache_bytes=1 << 24,
+            prefill_buckets=buckets,
+            one_sequence=one_sequence,
+        )
+        busy = []
+        for i in range(3):
+            r = GenerationRequest(prompt=f"Busy row {i}", max_tokens=60)
+            busy.append(Job(f"b{i}", r, engine.encode(r)))
+            busy[-1].start("exec")
+        engine.add(busy)
+        apply_deltas(engine.step())
+        jobs, at_once = {}, 0
+        for n, r in chats.items():
+            jobs[n] = Job(n, r, engine.encode(r))
+            jobs[n].start("exec")
+            engine.add([jobs[n]])
+            apply_deltas(engine.step())
+            at_once += bool(jobs[n].token_ids)
+            for _ in range(2):
+                apply_deltas(engine.step())
+        while engine.active:
+            apply_deltas(engine.step())
+        out = {
+            n: (
+                j.token_ids,
+                [e["logprob"] for e in j.choices[0].logprobs or []],
+                j.choices[0].finish_reason,
+            )
+            for n, j in {**jobs, **{j.id: j for j in busy}}.items()
+        }
+        return out, engine.counters.fused_prefills, at_once
+
+    ours, fused, at_once = run(True)
+    theirs, none, at_once_theirs = run(False)
+    assert fused == len(chats) and none == 0
+    assert at_once == at_once_theirs == len(chats)
+    assert len(ours["one"][0]) == 1 and ours["one"][2] == "length"
+    for n, (tokens, lps, finish) in ours.items():
+        assert tokens == theirs[n][0] and finish == theirs[n][2], n
+        assert lps == pytest.approx(theirs[n][1], abs=1e-4), n
+
+
+def test_a_resumed_row_and_a_chat_row_starting_together_decode_as_in_passes_of_their_own(
+    loaded,
+):
+    """A paused row put back (it rides: its next input is its last token) and a chat row
+    added in the same call, then another chat row while the resumed one rides: every row's
+    tokens are those of the engine without the fused pass."""
+    model, tok = loaded
+
+    def run(one_sequence: bool) -> tuple[dict[str, list[int]], int]:
+        engine = Engine(model, tok, max_batch=8, one_sequence=one_sequence)
+        jobs = {}
+
+        def add(name: str, prompt: str, n: int, **sp) -> None:
+            r = GenerationRequest(prompt=prompt, max_tokens=n, sampling=SamplingParams(**sp))
+            jobs[name] = Job(name, r, engine.encode(r))
+            jobs[name].start("exec")
+            engine.add([jobs[name]])
+
+        for i in range(3):
+            add(f"b{i}", f"Busy row {i} of the sweep", 30)
+        for _ in range(3):
+            apply_deltas(engine.step())
+        assert engine.pause([jobs["b0"]]) == 1
+        apply_deltas(engine.step())
+        engine.resume([jobs["b0"]])
+        add("c0", "A chat turn arrives", 6, temperature=0.8, seed=1)
+        apply_deltas(engine.step())
+        add("c1", "Another chat turn", 6)
+        while engine.active:
+            apply_deltas(engine.step())
+        return {n: j.token_ids for n, j in jobs.items()}, engine.counters.fused_prefills
+
+    ours, fused = run(True)
+    theirs, _ = run(False)
+    assert fused >= 1
+    assert ours == theirs

@@ -37,6 +37,9 @@ class StepCounters:
     #: first tokens are sampled in one call, not in a step).
     first_token_passes: int = 0
     first_tokens_from_prefill: int = 0
+    #: New rows whose prompt ran in the batch's decode pass (:mod:`mlxq.worker.fused_pass`):
+    #: no pass of their own.
+    fused_prefills: int = 0
     vectorized_steps: int = 0
     sampler_calls: int = 0
     tokens_generated: int = 0
@@ -158,6 +161,9 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         #: The model's layers over the rows' tokens as one sequence (None: mlx-lm's call
         #: of a token a row); kept by the batch this one joins, which has its own.
         self._fused = fused
+        #: The next step's logits where a pass that also ran a new row's prompt fed the
+        #: rows their inputs already (:meth:`fused_step`).
+        self._given_logits: mx.array | None = None
         # Before mlx-lm's constructor, which samples a first step: a batch of new rows
         # counts that step as their ``first_token`` stage, the running batch as ``decode``;
         # a batch that rides takes no step of its own (``riding``).
@@ -245,6 +251,8 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         mx.async_eval(inputs)
         if self._first_logits is not None:  # the prefill fed the inputs: their pass ran
             logits, self._first_logits = self._first_logits, None
+        elif self._given_logits is not None:
+            logits, self._given_logits = self._given_logits, None
         elif self._fused is not None:
             logits = self._fused.decode(inputs, self.prompt_cache)
         else:
@@ -283,6 +291,62 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         for sti, ti in zip(self.tokens, tokens, strict=True):
             sti.append(ti)
         return tokens, [None if h is None else h.get() for h in self._current_logprobs]
+
+    def emit_next(self) -> list[Any]:
+        """Emit each row's next token now, without a pass (its logits came from a pass
+        that ran the rows' prompts): ``next``'s responses for it, and rows that end with it
+        leave. The rows then ride their next step, which feeds those tokens and emits
+        nothing. Rows that ride already (their next input is their last prompt token) emit
+        nothing here."""
+        riding = self.riding  # fed their last prompt token next step: nothing to emit
+        if not set(self.uids) - riding:
+            return []
+        tokens = cast(list[int], self._next_tokens.tolist())
+        logprobs: list[Any] = [None if h is None else h.get() for h in self._next_logprobs]
+        keep, responses = [], []
+        for i, uid in enumerate(self.uids):
+            if uid in riding:
+                keep.append(i)
+                continue
+            finish = None
+            self._num_tokens[i] += 1
+            if self._num_tokens[i] >= self.max_tokens[i]:
+                finish = "length"
+            if self._matchers[i].advance(tokens[i]):
+                finish = "stop"
+            if finish is None:
+                keep.append(i)
+            ended = finish is not None
+            responses.append(
+                self.Response(
+                    uid=uid,
+                    token=tokens[i],
+                    logprobs=logprobs[i],
+                    finish_reason=finish,
+                    prompt_cache=self.extract_cache(i) if ended else None,
+                    all_tokens=self.tokens[i] if ended else None,
+                )
+            )
+        self.riding |= set(self.uids)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    @property
+    def has_given_logits(self) -> bool:
+        """Whether the next step's logits came from a pass that ran a new row's prompt."""
+        return self._given_logits is not None
+
+    def fused_step(self, prompt: list[int], caches: list[Any], end: int) -> mx.array:
+        """Run the rows' next pass with a new row's ``prompt`` in it (into ``caches``, its
+        token ``end`` its last); keep the rows' logits for the next step and return the new
+        row's. The next step samples from them: it must come before rows join or leave."""
+        assert self._fused is not None
+        assert self._given_logits is None and self._first_logits is None
+        self._given_logits, new = self._fused(
+            self._next_tokens, self.prompt_cache, prompt, caches, end
+        )
+        return new
 
     def _history_for(self, sampler: RowSampler, inputs: mx.array) -> TokenHistory:
         if self._history is None:

@@ -58,16 +58,23 @@ class FusedPass:
         caches: list[Any],
         prompt: list[int],
         new_caches: list[Any],
+        end: int | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Feed each batch row its next token (``tokens``, one a row, into ``caches``) and
         the new row its ``prompt`` (into ``new_caches``); return the batch's logits (rows x
-        vocabulary) and the new row's after its last prompt token (1 x vocabulary)."""
-        logits = self._run(tokens, caches, prompt, new_caches)
+        vocabulary) and the new row's after its prompt's token ``end`` (its last by
+        default; a prompt right-padded to a bucketed width ends before), 1 x vocabulary."""
+        logits = self._run(tokens, caches, prompt, new_caches, end)
         rows = tokens.shape[0]
         return logits[:rows], logits[rows:]
 
     def _run(
-        self, tokens: mx.array, caches: list[Any], prompt: list[int], new_caches: list[Any]
+        self,
+        tokens: mx.array,
+        caches: list[Any],
+        prompt: list[int],
+        new_caches: list[Any],
+        end: int | None = None,
     ) -> mx.array:
         rows, width = tokens.shape[0], len(prompt)
         inner = self.inner
@@ -93,7 +100,7 @@ class FusedPass:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = inner.norm(h)
         if width:
-            h = h[:, mx.array([*range(rows), rows + width - 1])]
+            h = h[:, mx.array([*range(rows), rows + (width - 1 if end is None else end)])]
         return self.head(h)[0]
 
 

@@ -160,15 +160,27 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         whole batch. The same passes either way; the running rows' token of this call
         waits for the new rows' passes instead."""
         main, self._generation_batch = self._generation_batch, self._empty_batch()
+        if self._fused is not None:
+            # One new row that the pass ends: its prompt runs in the batch's decode pass.
+            self._prompt_batch.fuse = main.fused_step
         try:
             prompt_responses, _ = super()._next()  # an empty batch: no decode step
             self._start_ready(prompt_responses)
             joined = self._generation_batch
         finally:
             self._generation_batch = main
-        if len(joined):
-            main.extend(joined)
-        responses = main.next()
+            self._prompt_batch.fuse = None
+        if main.has_given_logits:
+            # The rows' step ran in the new row's pass: theirs first, then the new row's
+            # first token (sampled from that pass), which it feeds in the next step.
+            responses = main.next()
+            responses += joined.emit_next()
+            if len(joined):
+                main.extend(joined)
+        else:
+            if len(joined):
+                main.extend(joined)
+            responses = main.next()
         self._counters.generation_tokens += len(responses)  # as mlx-lm's own step counts
         self._counters.generation_steps += 1
         if self._counters.generation_steps % 512 == 0:

@@ -60,6 +60,10 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
     #: The model's layers over a batch's tokens as one sequence, for the decode steps of
     #: the generation batches it makes; set by the generator, kept by every copy.
     fused: FusedPass | None = None
+    #: For this call only, set by the generator: runs one new row's padded prompt (its
+    #: tokens, its caches, the index of its last token) in the running batch's decode pass
+    #: and returns the row's logits there (``Generator._prefill_then_decode``).
+    fuse: Callable[[list[int], list[Any], int], mx.array] | None = None
     #: Rows whose prefill fed their last prompt token too: the logits it left them, kept
     #: until their first token is sampled (:meth:`generate`); shared with every copy.
     first: dict[int, mx.array]
@@ -161,16 +165,8 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
         if padded:
             for c in self.prompt_cache:
                 c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
-        x = mx.array([t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - real))
-        last = None
-        if logits:
-            assert self.head is not None
-            last = self.head.last_logits(x, self.prompt_cache, [len(t) - 1 for t in tokens])
-        else:
-            for start in range(0, width, self.prefill_step_size):
-                if start:  # a long prompt: one chunk's activations at a time
-                    mx.eval([c.state for c in self.prompt_cache])
-                self.model(x[:, start : start + self.prefill_step_size], cache=self.prompt_cache)
+        padded_rows = [t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - real)
+        last = self._pass(padded_rows, tokens, width, logits)
         if padded:
             for c in self.prompt_cache:
                 c.finalize()
@@ -183,6 +179,25 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
         if rows * width > self.prefill_step_size:
             mx.clear_cache()  # a large pass: its buffers go back, as mlx-lm's do
         return last
+
+    def _pass(
+        self, padded: list[list[int]], tokens: list[list[int]], width: int, logits: bool
+    ) -> mx.array | None:
+        """The model pass of :meth:`_prompt_as` over the padded rows; with ``logits``, each
+        prompt's logits after its last token (one row alone: in the running batch's decode
+        pass where the generator asks, :attr:`fuse`)."""
+        if logits and self.fuse is not None and len(padded) == 1:
+            self.counters.fused_prefills += 1
+            return self.fuse(padded[0], self.prompt_cache, len(tokens[0]) - 1)
+        x = mx.array(padded)
+        if logits:
+            assert self.head is not None
+            return self.head.last_logits(x, self.prompt_cache, [len(t) - 1 for t in tokens])
+        for start in range(0, width, self.prefill_step_size):
+            if start:  # a long prompt: one chunk's activations at a time
+                mx.eval([c.state for c in self.prompt_cache])
+            self.model(x[:, start : start + self.prefill_step_size], cache=self.prompt_cache)
+        return None
 
     def split(self, indices: list[int]) -> Any:
         # Every row at once (a burst's rows all reach their last prompt token together):
