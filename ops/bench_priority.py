@@ -95,6 +95,7 @@ COUNTERS = (
     "decode_steps",
     "first_token_passes",
     "first_tokens_from_prefill",
+    "fused_prefills",
     "prefill_shapes",
 )
 

@@ -171,6 +171,9 @@ def test_levels_in_order_and_no_pause_when_told(redis_server, start_worker, r):
     # a pass of its own for it.
     assert stats["first_tokens_from_prefill"] == 3
     assert stats["first_token_passes"] == 0
+    # The tiny model's decode steps run its rows as one sequence; one row at a time, no
+    # new row ever started beside a busy batch to share its pass.
+    assert stats["one_sequence"] is True and stats["fused_prefills"] == 0
     _clean(r, hi, lo)
 
 

@@ -120,6 +120,7 @@ class Engine:
         #: backend a 4-bit model's projections of 64 rows a token each ran as 64 products
         #: of a vector (an H100: 19.1 ms a 0.5B step against 9.6 as one sequence).
         self.fused = fused_pass(model) if one_sequence else None
+        log.info("decode steps as one sequence: %s", "on" if self.fused is not None else "off")
         self.max_context = context_length(model)
         self.vocab_size = vocab_size(model, tokenizer)
         self.tool_format = tool_format(tokenizer)

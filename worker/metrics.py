@@ -207,6 +207,11 @@ COUNTERS = (
         "first_tokens_from_prefill",
         "New rows whose first token came from their prefill (no pass of their own)",
     ),
+    (
+        "mlxq_fused_prefills",
+        "fused_prefills",
+        "New rows whose prompt ran in the batch's decode pass (no prefill pass of their own)",
+    ),
     ("mlxq_constrained_rows", "constrained_rows", "Rows decoded under a constraint"),
     (
         "mlxq_constraint_compiles",

@@ -225,6 +225,8 @@ class Worker:
             admit_held_steps=self.loop.schedule.gather.held_steps,
             first_token_passes=c.first_token_passes,
             first_tokens_from_prefill=c.first_tokens_from_prefill,
+            one_sequence=self.engine.fused is not None,
+            fused_prefills=c.fused_prefills,
             admit_hold_steps=self.loop.schedule.hold_steps,
             prefill_buckets=self.engine.prefill_buckets,
             max_context=self.engine.max_context or 0,

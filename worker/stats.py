@@ -120,6 +120,12 @@ class WorkerStats:
     #: New rows whose first token came from the prefill that fed their last prompt token
     #: (no pass of their own).
     first_tokens_from_prefill: int = 0
+    #: Whether decode steps run the batch's tokens as one sequence through the model
+    #: (``mlxq.worker.fused_pass``; False: mlx-lm's call of a token a row, for a model
+    #: whose layers are not the common decoder layout), and the new rows whose prompt ran
+    #: in the batch's decode pass (no prefill pass of their own).
+    one_sequence: bool = False
+    fused_prefills: int = 0
 
     @property
     def state(self) -> str:
