@@ -202,7 +202,25 @@ class FaultyModel:
         return FaultyModel(got) if name == "model" else got
 
 
+class FaultyFused:
+    # The same error where a new row's prompt runs in the batch's decode pass
+    # (mlxq.worker.fused_pass), which calls the model's layers, not the model.
+    def __init__(self, inner):
+        self.inner = inner
+
+    def decode(self, *a, **kw):
+        return self.inner.decode(*a, **kw)
+
+    def __call__(self, tokens, caches, prompt, *a, **kw):
+        if poison in prompt:
+            raise RuntimeError("injected MLX error")
+        return self.inner(tokens, caches, prompt, *a, **kw)
+
+
 engine = Engine(FaultyModel(model), tok, max_batch=8)
+if engine.fused is not None:
+    engine.fused = FaultyFused(engine.fused)
+    engine.reset()
 sys.exit(Worker(WorkerConfig(model=model_path, redis_url=url, queue=queue,
                              window_ms=0), engine=engine).run())
 """
