@@ -179,7 +179,7 @@ from mlxq.worker.engine import Engine
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.process import Worker
 
-model_path, url, queue = sys.argv[1:4]
+model_path, url, queue, fused = sys.argv[1:5]
 model, tok = load(model_path)[:2]
 poison = tok.encode("POISON", add_special_tokens=False)[0]
 
@@ -217,7 +217,7 @@ class FaultyFused:
         return self.inner(tokens, caches, prompt, *a, **kw)
 
 
-engine = Engine(FaultyModel(model), tok, max_batch=8)
+engine = Engine(FaultyModel(model), tok, max_batch=8, fused_prefill=fused == "fused")
 if engine.fused is not None:
     engine.fused = FaultyFused(engine.fused)
     engine.reset()
@@ -226,9 +226,12 @@ sys.exit(Worker(WorkerConfig(model=model_path, redis_url=url, queue=queue,
 """
 
 
+@pytest.mark.parametrize("fused", ["fused", "own-pass"])
 def test_poison_job_fails_alone_and_the_batch_goes_on(
-    redis_server, queue_name, tiny_model, tmp_path: Path, r
+    redis_server, queue_name, tiny_model, tmp_path: Path, r, fused
 ):
+    """A job whose prefill breaks the forward pass fails alone, the others go on: whether
+    its prompt runs in a pass of its own or in the busy batch's decode pass."""
     import subprocess
 
     from conftest import WorkerProcess
@@ -238,7 +241,7 @@ def test_poison_job_fails_alone_and_the_batch_goes_on(
     w = WorkerProcess([], tmp_path / "poison.log", redis_server.url, queue_name)
     w.proc.kill()
     w.proc = subprocess.Popen(
-        [sys.executable, str(script), str(tiny_model), redis_server.url, queue_name],
+        [sys.executable, str(script), str(tiny_model), redis_server.url, queue_name, fused],
         stdout=w.log.open("wb"),
         stderr=subprocess.STDOUT,
     )

@@ -175,6 +175,7 @@ def test_a_row_prefilled_in_the_batchs_decode_pass_decodes_as_in_a_pass_of_its_o
             prompt_cache_bytes=1 << 24,
             prefill_buckets=buckets,
             one_sequence=one_sequence,
+            fused_prefill=True,
         )
         busy = []
         for i in range(3):
@@ -223,7 +224,7 @@ def test_a_resumed_row_and_a_chat_row_starting_together_decode_as_in_passes_of_t
     model, tok = loaded
 
     def run(one_sequence: bool) -> tuple[dict[str, list[int]], int]:
-        engine = Engine(model, tok, max_batch=8, one_sequence=one_sequence)
+        engine = Engine(model, tok, max_batch=8, one_sequence=one_sequence, fused_prefill=True)
         jobs = {}
 
         def add(name: str, prompt: str, n: int, **sp) -> None:

@@ -302,6 +302,10 @@ def test_the_worker_options_reach_its_config():
     chosen = config_from(p.parse_args([*base, *on]))
     assert (chosen.admit_hold_steps, chosen.prefill_buckets) == (0, True)
     assert config_from(p.parse_args([*base, "--prefill-buckets", "off"])).prefill_buckets is False
+    assert default.fused_prefill is None  # auto
+    for word, value in (("auto", None), ("on", True), ("off", False)):
+        given = config_from(p.parse_args([*base, "--fused-prefill", word]))
+        assert given.fused_prefill is value, word
 
 
 def test_a_sweeps_waiting_rows_gather_longer_and_no_higher_levels_do():

@@ -91,6 +91,7 @@ def test_worker_help_shows_the_real_defaults_without_mlx():
         ("--grace-s", config.DEFAULT_GRACE_S),
         ("--admit-hold-steps", "auto"),
         ("--prefill-buckets", "auto"),
+        ("--fused-prefill", "auto"),
     ):
         env = "MLXQ_" + flag[2:].replace("-", "_").upper()  # each reads its variable first
         assert flag in text and f"(default: ${env}, else {default})" in text, flag

@@ -206,6 +206,14 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
     )
     ENV.add(
         p,
+        "--fused-prefill",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run a chat job's prompt that starts beside a busy batch in the batch's decode "
+        "pass, not a pass of its own; auto: on with MLX on CUDA",
+    )
+    ENV.add(
+        p,
         "--name",
         default=None,
         shown="host.pid.random",
@@ -335,6 +343,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         routing=args.routing,
         admit_hold_steps=args.admit_hold_steps,
         prefill_buckets={"auto": None, "on": True, "off": False}[args.prefill_buckets],
+        fused_prefill={"auto": None, "on": True, "off": False}[args.fused_prefill],
         allow_mixed_models=args.allow_mixed_models,
         wait_replicas=args.wait_replicas,
     )

@@ -44,11 +44,12 @@ DEFAULT_MAX_PAUSES = 3
 MAX_QUEUE_CHARS = 128
 
 
-def _check_prefill(admit_hold_steps: object, prefill_buckets: object) -> None:
+def _check_prefill(admit_hold_steps: object, **auto: object) -> None:
     if admit_hold_steps is not None:
         integer_in("admit_hold_steps", admit_hold_steps, 0, 1000, note=" or None (auto)")
-    if prefill_buckets is not None and not isinstance(prefill_buckets, bool):
-        raise ValueError(f"prefill_buckets={prefill_buckets!r}: give True, False or None (auto)")
+    for name, value in auto.items():
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: give True, False or None (auto)")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -115,6 +116,10 @@ class WorkerConfig:
             :data:`DEFAULT_ADMIT_HOLD_STEPS`.
         prefill_buckets: Pad prefill passes to a few bucketed shapes, so a GPU backend's
             per-shape plans are reused; None (the default): on where MLX runs on CUDA.
+        fused_prefill: A first-level row that starts alone beside a busy batch runs its
+            prompt in the batch's decode pass (``mlxq.worker.fused_pass``) instead of a
+            pass of its own; None (the default): on where MLX runs on CUDA (a CPU gains
+            nothing from it, and the new row's first token then waits for the whole pass).
         wait_replicas: A flush of ends counts as written once this many replicas confirm
             it (Redis ``WAIT``); until then the jobs are not freed. 0: do not wait.
         allow_mixed_models: Start even when live workers of its queues serve another
@@ -150,6 +155,7 @@ class WorkerConfig:
     paused_kv_bytes: int | None = None
     admit_hold_steps: int | None = None
     prefill_buckets: bool | None = None
+    fused_prefill: bool | None = None
     allow_mixed_models: bool = False
     wait_replicas: int = 0
     warm_up: bool = True
@@ -187,7 +193,11 @@ class WorkerConfig:
         integer_in("max_tokens_cap", self.max_tokens_cap, 1, 1 << 24)
         integer_in("max_wait_steps", self.max_wait_steps, 0, 1 << 20)
         integer_in("wait_replicas", self.wait_replicas, 0, 1000)
-        _check_prefill(self.admit_hold_steps, self.prefill_buckets)
+        _check_prefill(
+            self.admit_hold_steps,
+            prefill_buckets=self.prefill_buckets,
+            fused_prefill=self.fused_prefill,
+        )
         _check_bool("allow_mixed_models", self.allow_mixed_models)
         if self.metrics_port is not None:
             integer_in("metrics_port", self.metrics_port, 0, 65535)

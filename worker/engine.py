@@ -65,6 +65,9 @@ class Engine:
         one_sequence: Decode steps run the batch's tokens as one sequence through the
             model's token-wise layers (:mod:`mlxq.worker.fused_pass`), where its layers
             are the common decoder layout; False: mlx-lm's call of a token a row.
+        fused_prefill: With ``one_sequence``, a row that does not ride and starts alone
+            beside a busy batch runs its prompt in the batch's decode pass; None: where
+            MLX runs on CUDA.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class Engine:
         prefill_buckets: bool | None = False,
         fed_prefill: bool = True,
         one_sequence: bool = True,
+        fused_prefill: bool | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: must be >= 1")
@@ -120,7 +124,14 @@ class Engine:
         #: backend a 4-bit model's projections of 64 rows a token each ran as 64 products
         #: of a vector (an H100: 19.1 ms a 0.5B step against 9.6 as one sequence).
         self.fused = fused_pass(model) if one_sequence else None
-        log.info("decode steps as one sequence: %s", "on" if self.fused is not None else "off")
+        if fused_prefill is None:
+            fused_prefill = self.on_cuda
+        self.fused_prefill = fused_prefill and self.fused is not None
+        log.info(
+            "decode steps as one sequence: %s; a chat row's prompt in the batch's pass: %s",
+            "on" if self.fused is not None else "off",
+            "on" if self.fused_prefill else "off",
+        )
         self.max_context = context_length(model)
         self.vocab_size = vocab_size(model, tokenizer)
         self.tool_format = tool_format(tokenizer)
@@ -149,6 +160,7 @@ class Engine:
             prompt_cache_bytes=config.prompt_cache_bytes,
             paused_kv_bytes=config.paused_kv_bytes,
             prefill_buckets=config.prefill_buckets,
+            fused_prefill=config.fused_prefill,
         )
         if config.warm_up:
             from mlxq.worker.warmup import warm_up
@@ -183,6 +195,7 @@ class Engine:
             buckets=self.prefill_buckets,
             head=self.head,
             fused=self.fused,
+            fused_prefill=self.fused_prefill,
             **self._kw,
         )
         for row in self._rows.values():

@@ -51,6 +51,8 @@ class Generator(BatchGenerator):  # type: ignore[misc]
             pass fewer per new row. None: mlx-lm's way, a pass of the new rows alone.
         fused: The model's layers over a batch's tokens as one sequence
             (:mod:`mlxq.worker.fused_pass`), for every decode step; None: mlx-lm's call.
+        fused_prefill: With ``fused``, a row that does not ride and starts alone beside a
+            busy batch runs its prompt in the batch's decode pass (no pass of its own).
         **kw: mlx-lm's own ``BatchGenerator`` arguments.
     """
 
@@ -64,6 +66,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         buckets: bool = False,
         head: Head | None = None,
         fused: FusedPass | None = None,
+        fused_prefill: bool = False,
         **kw: Any,
     ) -> None:
         super().__init__(model, sampler=sampler, **kw)
@@ -80,6 +83,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         if buckets:
             self._prompt_batch.buckets = Buckets(self.prefill_batch_size, self._blank)
         self._counters_mine, self._keep_caches, self._fused = counters, keep_caches, fused
+        self._fused_prefill = fused_prefill and fused is not None
         #: Riders that waited out a call for rows that do not ride (:meth:`_riders_wait`).
         self._waited: set[int] = set()
         self._generation_batch = self._empty_batch()
@@ -160,7 +164,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         whole batch. The same passes either way; the running rows' token of this call
         waits for the new rows' passes instead."""
         main, self._generation_batch = self._generation_batch, self._empty_batch()
-        if self._fused is not None:
+        if self._fused_prefill:
             # One new row that the pass ends: its prompt runs in the batch's decode pass.
             self._prompt_batch.fuse = main.fused_step
         try:

@@ -226,6 +226,7 @@ class Worker:
             first_token_passes=c.first_token_passes,
             first_tokens_from_prefill=c.first_tokens_from_prefill,
             one_sequence=self.engine.fused is not None,
+            fused_prefill=self.engine.fused_prefill,
             fused_prefills=c.fused_prefills,
             admit_hold_steps=self.loop.schedule.hold_steps,
             prefill_buckets=self.engine.prefill_buckets,

@@ -123,8 +123,10 @@ class WorkerStats:
     #: Whether decode steps run the batch's tokens as one sequence through the model
     #: (``mlxq.worker.fused_pass``; False: mlx-lm's call of a token a row, for a model
     #: whose layers are not the common decoder layout), and the new rows whose prompt ran
-    #: in the batch's decode pass (no prefill pass of their own).
+    #: in the batch's decode pass (``--fused-prefill``: whether it may; no prefill pass of
+    #: their own).
     one_sequence: bool = False
+    fused_prefill: bool = False
     fused_prefills: int = 0
 
     @property
