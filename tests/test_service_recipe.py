@@ -225,6 +225,7 @@ SAMPLES = {
     "max_batch": ("12", "max_batch", 12),
     "admit_hold_steps": ("0", "admit_hold_steps", 0),
     "prefill_buckets": ("on", "prefill_buckets", True),
+    "fused_prefill": ("off", "fused_prefill", False),
     "name": (f"env-{uuid.uuid4().hex[:6]}", "name", None),
     "grace_s": ("3", "grace_s", 3.0),
     "stream_ttl": ("60", "stream_ttl", 60),
