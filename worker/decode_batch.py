@@ -190,6 +190,11 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             return []
         riding, self.riding = self.riding, set()
         tokens, logprobs = self._step()
+        return self._emit(tokens, logprobs, riding)
+
+    def _emit(self, tokens: list[int], logprobs: list[Any], riding: set[int]) -> list[Any]:
+        """A response for each row's token (none for rows in ``riding``: theirs was a
+        prompt token); rows that end with it leave the batch, handing back their caches."""
         keep, responses = [], []
         for i, uid in enumerate(self.uids):
             if uid in riding:
@@ -302,35 +307,9 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         if not set(self.uids) - riding:
             return []
         tokens = cast(list[int], self._next_tokens.tolist())
-        logprobs: list[Any] = [None if h is None else h.get() for h in self._next_logprobs]
-        keep, responses = [], []
-        for i, uid in enumerate(self.uids):
-            if uid in riding:
-                keep.append(i)
-                continue
-            finish = None
-            self._num_tokens[i] += 1
-            if self._num_tokens[i] >= self.max_tokens[i]:
-                finish = "length"
-            if self._matchers[i].advance(tokens[i]):
-                finish = "stop"
-            if finish is None:
-                keep.append(i)
-            ended = finish is not None
-            responses.append(
-                self.Response(
-                    uid=uid,
-                    token=tokens[i],
-                    logprobs=logprobs[i],
-                    finish_reason=finish,
-                    prompt_cache=self.extract_cache(i) if ended else None,
-                    all_tokens=self.tokens[i] if ended else None,
-                )
-            )
-        self.riding |= set(self.uids)
-        if len(keep) < len(self.uids):
-            self.filter(keep)
-        return responses
+        logprobs = [None if h is None else h.get() for h in self._next_logprobs]
+        self.riding = riding | set(self.uids)
+        return self._emit(tokens, logprobs, riding)
 
     @property
     def has_given_logits(self) -> bool:

@@ -50,7 +50,7 @@ class FusedPass:
     def decode(self, tokens: mx.array, caches: list[Any]) -> mx.array:
         """Feed each batch row its next token (``tokens``, one a row, into ``caches``) as
         one sequence; return the rows' logits (rows x vocabulary)."""
-        return self._run(tokens, caches, [], [])
+        return self(tokens, caches, [], [])[0]
 
     def __call__(
         self,
@@ -63,19 +63,8 @@ class FusedPass:
         """Feed each batch row its next token (``tokens``, one a row, into ``caches``) and
         the new row its ``prompt`` (into ``new_caches``); return the batch's logits (rows x
         vocabulary) and the new row's after its prompt's token ``end`` (its last by
-        default; a prompt right-padded to a bucketed width ends before), 1 x vocabulary."""
-        logits = self._run(tokens, caches, prompt, new_caches, end)
-        rows = tokens.shape[0]
-        return logits[:rows], logits[rows:]
-
-    def _run(
-        self,
-        tokens: mx.array,
-        caches: list[Any],
-        prompt: list[int],
-        new_caches: list[Any],
-        end: int | None = None,
-    ) -> mx.array:
+        default; a prompt right-padded to a bucketed width ends before), 1 x vocabulary
+        (0 x vocabulary for no prompt)."""
         rows, width = tokens.shape[0], len(prompt)
         inner = self.inner
         ids = tokens.astype(mx.uint32)
@@ -101,7 +90,8 @@ class FusedPass:
         h = inner.norm(h)
         if width:
             h = h[:, mx.array([*range(rows), rows + (width - 1 if end is None else end)])]
-        return self.head(h)[0]
+        logits = self.head(h)[0]
+        return logits[:rows], logits[rows:]
 
 
 def _attend(
