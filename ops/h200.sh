@@ -9,6 +9,11 @@
 #                                     ... && bash ops/h200.sh serve
 #                                     ... && bash ops/h200.sh structured
 #                                     ... && bash ops/h200.sh step
+#                                     ... && bash ops/h200.sh fused   (ops/bench_fused.py)
+#
+# The worker's decode steps run as one sequence and, on CUDA, a chat job's prompt in the
+# batch's pass (--fused-prefill); WORKER_ARGS="--fused-prefill off" TAG=own-pass
+# PARTS=both gives the same tree with a pass of its own for each chat job.
 #
 # Logs and JSON go to $OUT. SHAPE=tiny with small sizes (SMALL=1) rehearses every part on
 # a CPU.
