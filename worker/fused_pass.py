@@ -29,11 +29,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-log = logging.getLogger(__name__)
+from mlxq.worker.model_head import close, head_of
 
-#: How far the fused logits may be from two passes' (relative and absolute, in float32):
-#: a projection over more rows may round apart in bfloat16.
-TOLERANCE = 1e-2
+log = logging.getLogger(__name__)
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -119,9 +117,7 @@ def fused_pass(model: Any) -> FusedPass | None:
     pass's logits agree with its own calls' (checked on a short batch); None otherwise."""
     name = type(model).__name__
     inner = getattr(model, "model", None)
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        head = getattr(getattr(inner, "embed_tokens", None), "as_linear", None)
+    head = head_of(model)
     layers = getattr(inner, "layers", None)
     if (
         not callable(head)
@@ -163,12 +159,4 @@ def _agrees(model: Any, fused: FusedPass) -> bool:
     again = model(tokens[:, None], cache=theirs)[:, -1, :]
     got_again = fused.decode(tokens, ours)
     pairs = ((want, got), (want_new, got_new), (again, got_again))
-    return all(
-        a.shape == b.shape
-        and bool(
-            mx.allclose(
-                a.astype(mx.float32), b.astype(mx.float32), rtol=TOLERANCE, atol=TOLERANCE
-            ).item()
-        )
-        for a, b in pairs
-    )
+    return all(close(a, b) for a, b in pairs)

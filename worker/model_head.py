@@ -48,24 +48,38 @@ class Head:
         return self.head(picked[:, None, :])[:, 0, :]
 
 
+def head_of(model: Any) -> Any:
+    """The model's head: ``lm_head``, or its tied embedding as a linear layer; None where it
+    has neither."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        head = getattr(embed, "as_linear", None)
+    return head
+
+
+def close(a: mx.array, b: mx.array) -> bool:
+    """Whether two logits arrays have one shape and agree within :data:`TOLERANCE`,
+    compared in float32."""
+    if a.shape != b.shape:
+        return False
+    near = mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=TOLERANCE, atol=TOLERANCE)
+    return bool(near.item())
+
+
 def model_head(model: Any) -> Head | None:
     """``model`` as a body and a head, where its own call is exactly those two (checked on
     a short pass); None where it is not, or where the check fails."""
     body = getattr(model, "model", None)
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        embed = getattr(body, "embed_tokens", None)
-        head = getattr(embed, "as_linear", None)
+    head = head_of(model)
     if not callable(body) or not callable(head):
         log.info("prefill logits: no body and head to split on %s", type(model).__name__)
         return None
     split = Head(body, head)
     try:
         inputs = mx.array([[1, 2, 3, 4]])
-        want = model(inputs, cache=make_prompt_cache(model))[:, -1, :].astype(mx.float32)
-        got = split.last_logits(inputs, make_prompt_cache(model), [3]).astype(mx.float32)
-        close = mx.allclose(want, got, rtol=TOLERANCE, atol=TOLERANCE)
-        same = want.shape == got.shape and bool(close.item())
+        want = model(inputs, cache=make_prompt_cache(model))[:, -1, :]
+        same = close(want, split.last_logits(inputs, make_prompt_cache(model), [3]))
     except Exception as e:  # a model whose parts are called otherwise
         name = type(model).__name__
         log.info("prefill logits: %s's body and head: %s: %s", name, type(e).__name__, e)
