@@ -115,6 +115,9 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument(
+        "--rows", type=int, default=64, help="the batch's rows before chat rows join (64)"
+    )
+    ap.add_argument(
         "--sampler-only",
         action="store_true",
         help="time the sampler alone (no model): on a CPU a small --vocab shows its dispatch",
@@ -123,19 +126,22 @@ def main() -> None:
     ap.add_argument("--sampler-steps", type=int, help="calls timed a variant (default: --steps)")
     args = ap.parse_args()
     if args.sampler_only:
-        alone(args.vocab or SHAPES[args.shape]["vocab_size"], args.sampler_steps or args.steps)
+        vocab = args.vocab or SHAPES[args.shape]["vocab_size"]
+        alone(vocab, args.sampler_steps or args.steps, args.rows)
         return
     model = build(args.shape, args.bits)
     print("rows sampled seeded prompt  ms/step (median)")
     for rows, sampled, seeded, prompt in WHOLE:
+        rows += args.rows - 64
         ms = run(model, rows, sampled, prompt, args.steps, seeded)
         print(f"{rows:4d} {sampled:7d} {seeded!s:6} {prompt:6d}  {ms:7.2f}")
-    alone(args.vocab or model.args.vocab_size, args.sampler_steps or args.steps)
+    alone(args.vocab or model.args.vocab_size, args.sampler_steps or args.steps, args.rows)
 
 
-def alone(vocab: int, steps: int) -> None:
+def alone(vocab: int, steps: int, base: int) -> None:
     print(f"the sampler alone, V = {vocab}: rows sampled kind  ms (median)")
     for rows, sampled, kind in ALONE:
+        rows += base - 64
         ms = sampler_only(rows, sampled, kind, vocab, steps)
         print(f"{rows:4d} {sampled:7d} {kind:8}  {ms:7.3f}")
 

@@ -11,7 +11,7 @@ OPS = Path(__file__).resolve().parent.parent / "ops"
 
 def test_each_variant_and_the_sampler_alone_are_timed():
     argv = [sys.executable, str(OPS / "bench_step_mix.py"), "--shape", "tiny", "--steps", "2"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=OPS)
+    done = subprocess.run([*argv, "--rows", "4"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     at = lines.index(next(x for x in lines if x.startswith("the sampler alone")))
@@ -21,6 +21,8 @@ def test_each_variant_and_the_sampler_alone_are_timed():
         *_, ms = line.split()
         assert float(ms) > 0, line
     assert "V = 4096" in lines[at], lines[at]
+    # --rows 4: the batch's rows before chat rows join, and one or two more with them.
+    assert {int(line.split()[0]) for line in steps + alone} == {4, 5, 6}, done.stdout
 
 
 def test_the_sampler_alone_at_a_vocabulary_given():
