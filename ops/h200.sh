@@ -11,9 +11,8 @@
 #                                     ... && bash ops/h200.sh step
 #                                     ... && bash ops/h200.sh fused   (ops/bench_fused.py)
 #
-# The worker's decode steps run as one sequence and, on CUDA, a chat job's prompt in the
-# batch's pass (--fused-prefill); WORKER_ARGS="--fused-prefill off" TAG=own-pass
-# PARTS=both gives the same tree with a pass of its own for each chat job.
+# The worker's decode steps run as one sequence; WORKER_ARGS="--fused-prefill on" TAG=fused
+# PARTS=both gives the same tree with each chat job's prompt in the batch's pass.
 #
 # Logs and JSON go to $OUT. SHAPE=tiny with small sizes (SMALL=1) rehearses every part on
 # a CPU.

@@ -210,7 +210,7 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="run a chat job's prompt that starts beside a busy batch in the batch's decode "
-        "pass, not a pass of its own; auto: on with MLX on CUDA",
+        "pass, not a pass of its own; auto: off (a sweep beside chat jobs ran slower with it)",
     )
     ENV.add(
         p,

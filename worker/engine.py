@@ -40,6 +40,12 @@ log = logging.getLogger("mlxq.worker")
 #: Paused rows' KV budget for a worker without a prompt cache.
 DEFAULT_PAUSED_KV_BYTES = 1 << 30
 
+#: Whether a chat row's prompt runs in the batch's decode pass unless told (``auto``): off
+#: on every backend. On an H100 (0.5B shape, a 10,000-job sweep beside chat jobs, two
+#: pairs of runs) the sweep took 1.5% longer with it, its prefill stage 1.1-1.2 s more,
+#: for a chat first token 3-6 ms sooner; on a CPU it saves nothing (docs/benchmarks.md).
+FUSED_PREFILL = False
+
 
 class Engine:
     """A model, its tokenizer and one continuous batch of jobs.
@@ -66,8 +72,8 @@ class Engine:
             model's token-wise layers (:mod:`mlxq.worker.fused_pass`), where its layers
             are the common decoder layout; False: mlx-lm's call of a token a row.
         fused_prefill: With ``one_sequence``, a row that does not ride and starts alone
-            beside a busy batch runs its prompt in the batch's decode pass; None: where
-            MLX runs on CUDA.
+            beside a busy batch runs its prompt in the batch's decode pass; None: off (see
+            :data:`FUSED_PREFILL`).
     """
 
     def __init__(
@@ -125,7 +131,7 @@ class Engine:
         #: of a vector (an H100: 19.1 ms a 0.5B step against 9.6 as one sequence).
         self.fused = fused_pass(model) if one_sequence else None
         if fused_prefill is None:
-            fused_prefill = self.on_cuda
+            fused_prefill = FUSED_PREFILL
         self.fused_prefill = fused_prefill and self.fused is not None
         log.info(
             "decode steps as one sequence: %s; a chat row's prompt in the batch's pass: %s",
