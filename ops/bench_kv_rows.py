@@ -24,6 +24,7 @@ The model is built in memory with random weights (no checkpoint, no tokenizer).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.worker import kv_pack
 from mlxq.worker.random_model import COMMON, GROUP_SIZE, SHAPES
+
+#: MLX's CUDA graph settings, printed where set.
+GRAPH_SETTINGS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
 
 
 def build(shape: str, bits: int) -> Any:
@@ -173,9 +177,13 @@ def main() -> None:
             note("decode step after a join", timed(batch.step, batch))
         else:
             note("join + decode step, one evaluation", timed(then_step(join), batch))
+    # MLX's CUDA backend runs ops as CUDA graphs of a few nodes each, cached by their
+    # topology: these settings decide how many and how often a changed step misses.
+    tuned = " ".join(f"{k}={os.environ[k]}" for k in GRAPH_SETTINGS if k in os.environ)
     print(
         f"{mx.default_device()}, shape {args.shape}, {args.bits}-bit, batch {args.batch}, "
-        f"prompt {args.prompt}, {args.cycles} cycles, {args.leave} row leaves; ms, p50 (min, max)"
+        f"prompt {args.prompt}, {args.cycles} cycles, {args.leave} row leaves"
+        f"{', ' + tuned if tuned else ''}; ms, p50 (min, max)"
     )
     for name, ms in out.items():
         print(
