@@ -10,6 +10,7 @@
 #                                     ... && bash ops/h200.sh structured
 #                                     ... && bash ops/h200.sh step
 #                                     ... && bash ops/h200.sh fused   (ops/bench_fused.py)
+#                                     ... && bash ops/h200.sh graphs  (MLX's CUDA graph settings)
 #
 # The worker's decode steps run as one sequence; WORKER_ARGS="--fused-prefill on" TAG=fused
 # PARTS=both gives the same tree with each chat job's prompt in the batch's pass.
@@ -24,7 +25,7 @@
 # may lag this tree's; the sources' hash beside it is of the files that ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"which part: prepare, code, priority, serve, step, fused or structured"}
+part=${1:?"which part: prepare, code, priority, serve, step, fused, graphs or structured"}
 
 if [ "$part" = prepare ]; then
     # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
@@ -161,6 +162,21 @@ fused)
         "$PY" ops/bench_fused.py --shape "$SHAPE" --bits "$bits" 2>&1 | tee -a "$OUT/fused.log"
     done
     ;;
+graphs)
+    # MLX's CUDA backend runs a pass as CUDA graphs of a few nodes each (MLX_MAX_OPS_PER_BUFFER,
+    # 20 by default), cached by their topology (MLX_CUDA_GRAPH_CACHE_SIZE, 400): a step after
+    # a row joined or left has other nodes, so other graphs. A join and a leave and the
+    # steps after them (ops/bench_kv_rows.py builds its model in memory) under each setting.
+    # A worker takes the same variables from the environment, e.g.
+    # MLX_CUDA_GRAPH_CACHE_SIZE=2000 TAG=cache2000 JOBS=10000 PARTS=both ... priority.
+    cycles=16
+    [ "$small" = 1 ] && cycles=2
+    for setting in "" MLX_CUDA_GRAPH_CACHE_SIZE=2000 MLX_MAX_OPS_PER_BUFFER=100 MLX_USE_CUDA_GRAPHS=0; do
+        log "bench_kv_rows ${setting:-default}"
+        env $setting "$PY" ops/bench_kv_rows.py --shape "$SHAPE" --cycles "$cycles" 2>&1 |
+            tee -a "$OUT/graphs.log"
+    done
+    ;;
 structured)
     # Issue 25: one shared JSON schema on every row, on a quarter of the rows, and a
     # 2,000-question choice sweep, each against the same batch unconstrained.
@@ -172,7 +188,7 @@ structured)
         --answers "$answers" --sweep "$sweep" 2>&1 | tee "$OUT/structured.log"
     ;;
 *)
-    echo "unknown part $part: priority, serve, step, fused or structured" >&2
+    echo "unknown part $part: priority, serve, step, fused, graphs or structured" >&2
     exit 2
     ;;
 esac
