@@ -118,8 +118,8 @@ class WorkerConfig:
             per-shape plans are reused; None (the default): on where MLX runs on CUDA.
         fused_prefill: A first-level row that starts alone beside a busy batch runs its
             prompt in the batch's decode pass (``mlxq.worker.fused_pass``) instead of a
-            pass of its own; None (the default): the engine's ``FUSED_PREFILL`` (off: on an H100
-            the sweep beside chat jobs ran slower with it; a CPU gains nothing).
+            pass of its own; None (the default): that module's ``FUSED_PREFILL`` (off: on
+            an H100 the sweep beside chat jobs ran slower with it; a CPU gains nothing).
         wait_replicas: A flush of ends counts as written once this many replicas confirm
             it (Redis ``WAIT``); until then the jobs are not freed. 0: do not wait.
         allow_mixed_models: Start even when live workers of its queues serve another

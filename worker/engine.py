@@ -26,7 +26,7 @@ from mlxq.worker.config import WorkerConfig
 from mlxq.worker.decode_batch import StepCounters
 from mlxq.worker.detok import Detokenizer, special_ids
 from mlxq.worker.encode import context_length, encode, vocab_size
-from mlxq.worker.fused_pass import fused_pass
+from mlxq.worker.fused_pass import FUSED_PREFILL, fused_pass
 from mlxq.worker.generator import Generator
 from mlxq.worker.grammars import Grammars
 from mlxq.worker.jobs import Job
@@ -39,12 +39,6 @@ log = logging.getLogger("mlxq.worker")
 
 #: Paused rows' KV budget for a worker without a prompt cache.
 DEFAULT_PAUSED_KV_BYTES = 1 << 30
-
-#: Whether a chat row's prompt runs in the batch's decode pass unless told (``auto``): off
-#: on every backend. On an H100 (0.5B shape, a 10,000-job sweep beside chat jobs, two
-#: pairs of runs) the sweep took 1.5% longer with it, its prefill stage 1.1-1.2 s more,
-#: for a chat first token 3-6 ms sooner; on a CPU it saves nothing (docs/benchmarks.md).
-FUSED_PREFILL = False
 
 
 class Engine:
@@ -73,7 +67,7 @@ class Engine:
             are the common decoder layout; False: mlx-lm's call of a token a row.
         fused_prefill: With ``one_sequence``, a row that does not ride and starts alone
             beside a busy batch runs its prompt in the batch's decode pass; None: off (see
-            :data:`FUSED_PREFILL`).
+            :data:`~mlxq.worker.fused_pass.FUSED_PREFILL`).
     """
 
     def __init__(

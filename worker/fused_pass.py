@@ -33,6 +33,12 @@ from mlxq.worker.model_head import close, head_of
 
 log = logging.getLogger(__name__)
 
+#: Whether a chat row's prompt runs in the batch's decode pass unless told (``auto``): off
+#: on every backend. On an H100 (0.5B shape, a 10,000-job sweep beside chat jobs, two
+#: pairs of runs) the sweep took 1.5% longer with it, its prefill stage 1.1-1.2 s more,
+#: for a chat first token 3-6 ms sooner; on a CPU it saves nothing (docs/benchmarks.md).
+FUSED_PREFILL = False
+
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
