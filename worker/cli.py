@@ -16,6 +16,7 @@ from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.worker import config as c
 from mlxq.worker import logs, startup
 from mlxq.worker.env import EnvOptions
+from mlxq.worker.mlx_settings import apply_defaults
 
 log = logging.getLogger("mlxq.worker")
 
@@ -359,6 +360,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """
     config = config_from(args)
     logs.setup(args.log_level, args.log_format)
+    apply_defaults()  # MLX reads them at its first evaluation on the GPU
     try:
         from mlxq.worker.engine import Engine
         from mlxq.worker.process import Worker

@@ -1,0 +1,30 @@
+"""MLX's settings a long-lived worker sets before its first evaluation
+(:mod:`mlxq.worker.mlx_settings`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.worker.mlx_settings import DEFAULTS, apply_defaults
+
+CHECK = "MLX_ENABLE_CACHE_THRASHING_CHECK"
+
+
+def test_the_thrashing_check_is_off_unless_the_operator_set_it():
+    env: dict[str, str] = {}
+    assert apply_defaults(env) == {CHECK: "0"} and env == {CHECK: "0"}
+    assert apply_defaults(env) == {}  # set already: nothing again
+    chosen = {CHECK: "1"}
+    assert apply_defaults(chosen) == {} and chosen == {CHECK: "1"}
+    assert set(DEFAULTS) == {CHECK}
+
+
+def test_a_worker_sets_it_before_it_loads_the_model(
+    monkeypatch: pytest.MonkeyPatch, start_worker, queue_name
+):
+    monkeypatch.delenv(CHECK, raising=False)
+    w = start_worker()
+    text = w.output()
+    said = f"mlx: {CHECK}=0 (the worker's default; set it to choose)"
+    assert said in text, text
+    assert text.index(said) < text.index("decode steps as one sequence"), text

@@ -1,0 +1,33 @@
+"""MLX's own settings that a long-lived worker needs before its first evaluation.
+
+MLX's CUDA backend keeps the CUDA graphs it builds in a cache of ``MLX_CUDA_GRAPH_CACHE_SIZE``
+entries (400 by default), keyed by each graph's topology, and counts the misses over the
+life of the process: past twice the cache's size, every further miss raises "Cache
+thrashing is happening" out of the evaluation that met it (``MLX_ENABLE_CACHE_THRASHING_CHECK``,
+on by default; mlx 0.32's ``mlx/backend/cuda/lru_cache.h``). A worker runs for days and
+meets new batch shapes as rows join and leave, so the count only grows; the check would
+end in failed decode steps on a worker that had served well for hours. The worker turns it
+off unless the operator set it (MLX's own test runner does the same); a thrashing cache
+then costs time, not jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+
+log = logging.getLogger("mlxq.worker")
+
+#: What the worker sets where the environment does not say.
+DEFAULTS = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+
+
+def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set each of :data:`DEFAULTS` that ``environ`` lacks (an operator's value stays);
+    return those set. Before the first evaluation on the GPU, which reads them."""
+    given = {k: v for k, v in DEFAULTS.items() if k not in environ}
+    environ.update(given)
+    for k, v in given.items():
+        log.info("mlx: %s=%s (the worker's default; set it to choose)", k, v)
+    return given
