@@ -1,14 +1,16 @@
 """MLX's own settings that a long-lived worker needs before its first evaluation.
 
-MLX's CUDA backend keeps the CUDA graphs it builds in a cache of ``MLX_CUDA_GRAPH_CACHE_SIZE``
-entries (400 by default), keyed by each graph's topology, and counts the misses over the
-life of the process: past twice the cache's size, every further miss raises "Cache
-thrashing is happening" out of the evaluation that met it (``MLX_ENABLE_CACHE_THRASHING_CHECK``,
-on by default; mlx 0.32's ``mlx/backend/cuda/lru_cache.h``). A worker runs for days and
-meets new batch shapes as rows join and leave, so the count only grows; the check would
-end in failed decode steps on a worker that had served well for hours. The worker turns it
-off unless the operator set it (MLX's own test runner does the same); a thrashing cache
-then costs time, not jobs.
+MLX's CUDA backend keeps what it builds in caches of a few hundred entries: the CUDA graphs
+of its passes (``MLX_CUDA_GRAPH_CACHE_SIZE``, 400, keyed by each graph's topology) and the
+cuDNN attention plans of its prefills (``MLX_CUDA_SDPA_CACHE_SIZE``, 256, by shape). Each
+counts its misses over the life of the process, and past twice its size every further miss
+raises "Cache thrashing is happening" out of the evaluation that met it
+(``MLX_ENABLE_CACHE_THRASHING_CHECK``, on by default; mlx 0.32's
+``mlx/backend/cuda/lru_cache.h``). A worker runs for days and meets new batch and prompt
+shapes as rows join and leave and prompts reuse cached prefixes, so the counts only grow;
+the check would end in failed steps on a worker that had served well for hours. The worker
+turns it off unless the operator set it (MLX's own test runner does the same); a thrashing
+cache then costs time, not jobs.
 """
 
 from __future__ import annotations
