@@ -19,6 +19,10 @@ this script starts (one at a time; the tiny model unless --model names another):
            window, read at the window's edges from the worker's Prometheus counter
            ``mlxq_queue_generation_tokens``
   fifo     (--fifo) the mix of "both" on a worker serving ONE queue, what levels fix
+  pairs    --pairs N more of "alone" then "both", alternating, each on a fresh worker: a
+           GPU whose pace drifts from one run to the next (an H100: 6.29 against 6.83 ms a
+           decode step, same code and layout, minutes apart) is compared within each pair,
+           and the sweep's share is the median of the pairs' own ratios
 
 Then each target's figure: interactive p50 within 1.5x of idle, p99 within +100 ms of idle,
 the sweep at >= 0.95 of alone less the rows interactive jobs took (their share of the
@@ -33,6 +37,7 @@ Usage:
     python ops/bench_priority.py                          # tiny model on the CPU, minutes
     python ops/bench_priority.py --sweep-jobs 300 --idle-jobs 20 --duration 20
     python ops/bench_priority.py --shape 0.5b --sweep-jobs 10000 --fifo --json out.json
+    python ops/bench_priority.py --parts pairs --pairs 3 --sweep-jobs 5000   # the share alone
 """
 
 from __future__ import annotations
@@ -617,13 +622,19 @@ def weights_phase(served: Served, args: argparse.Namespace) -> list[Window]:
 Target = tuple[str, str, bool | None]  # what, the figure, met (None: no target)
 
 
-def targets(phases: dict[str, Phase], windows: list[Window], weight: float) -> list[Target]:
+def targets(
+    phases: dict[str, Phase],
+    windows: list[Window],
+    weight: float,
+    pairs: Sequence[tuple[Phase, Phase]] = (),
+) -> list[Target]:
     """Each of issue 22's targets that this run has the figures for."""
     out: list[Target] = []
     idle, both = phases.get("idle"), phases.get("both")
     if idle is not None and both is not None:
         out += latency_targets(idle, both)
         out += sweep_targets(phases["alone"], both)
+    out += pairs_target(pairs)
     if windows:
         dev = max(abs(w.ratio / weight - 1) for w in windows)
         out.append(
@@ -660,14 +671,40 @@ def latency_targets(idle: Phase, both: Phase) -> list[Target]:
     ]
 
 
-def sweep_targets(alone: Phase, both: Phase) -> list[Target]:
-    """The sweep beside interactive jobs against alone, allowing for the rows they took
-    (their share of the tokens decoded while it ran), and the tokens prefilled again."""
+def sweep_share(alone: Phase, both: Phase) -> tuple[float, float, float] | None:
+    """The sweep's tokens per second beside interactive jobs over alone, its floor (0.95 of
+    alone less the rows they took: their share of the tokens decoded while it ran), and
+    that share; None without both sweeps."""
     if not (alone.sweep and both.sweep and alone.sweep.tok_s):
-        return []
+        return None
     share = both.chat_tokens / max(1, both.chat_tokens + both.sweep.tokens)
-    floor = 0.95 * (1 - share)
-    got = both.sweep.tok_s / alone.sweep.tok_s
+    return both.sweep.tok_s / alone.sweep.tok_s, 0.95 * (1 - share), share
+
+
+def pairs_target(pairs: Sequence[tuple[Phase, Phase]]) -> list[Target]:
+    """The sweep's share by pairs run back to back: the median of their ratios against
+    the median of their floors."""
+    shares = [x for x in (sweep_share(a, b) for a, b in pairs) if x is not None]
+    if not shares:
+        return []
+    got = statistics.median(g for g, _, _ in shares)
+    floor = statistics.median(f for _, f, _ in shares)
+    each = ", ".join(f"{g:.3f}" for g, _, _ in shares)
+    return [
+        (
+            f"sweep tok/s, both / alone, median of {len(shares)} pairs (>= the floor)",
+            f"{got:.3f} (pairs {each}; floor {floor:.3f})",
+            got >= floor,
+        )
+    ]
+
+
+def sweep_targets(alone: Phase, both: Phase) -> list[Target]:
+    """The sweep beside interactive jobs against alone, allowing for the rows they took,
+    and the tokens prefilled again."""
+    if (figures := sweep_share(alone, both)) is None or both.sweep is None:
+        return []
+    got, floor, share = figures
     again = both.counters.get("resume_tokens_recomputed", 0)
     rec = again / max(1, both.sweep.tokens)
     return [
@@ -823,8 +860,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=lambda v: v.split(","),
         default=["mix", "weights"],
         help="what to run, comma-separated: mix (idle, alone, both), base (idle, alone), "
-        "both, weights, fifo (default mix,weights); base then both --baseline splits the mix "
-        "over two runs",
+        "both, weights, fifo, pairs (default mix,weights); base then both --baseline splits "
+        "the mix over two runs",
+    )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=2,
+        help="--parts pairs: how many times alone then both, each on a fresh worker (2)",
     )
     ap.add_argument("--duration", type=float, default=60, help="s the weights run measures")
     ap.add_argument("--window-s", type=float, default=10, help="weights run: window length")
@@ -862,8 +905,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--duration must be > 0, --follow >= 0")
     if args.fifo:
         args.parts.append("fifo")
-    if bad := sorted(set(args.parts) - {"mix", "base", "both", "weights", "fifo"}):
-        ap.error(f"--parts: unknown {','.join(bad)}; choose from mix, base, both, weights, fifo")
+    if bad := sorted(set(args.parts) - {"mix", "base", "both", "weights", "fifo", "pairs"}):
+        ap.error(
+            f"--parts: unknown {','.join(bad)}; choose from mix, base, both, weights, fifo, pairs"
+        )
+    if args.pairs < 1:
+        ap.error("--pairs must be >= 1")
     return args
 
 
@@ -906,6 +953,23 @@ def mix_phases(args: argparse.Namespace, url: str, work: Path, tag: str) -> dict
     return phases
 
 
+def pair_phases(
+    args: argparse.Namespace, url: str, work: Path, tag: str
+) -> list[tuple[Phase, Phase]]:
+    """``--pairs`` times the sweep alone, then beside interactive jobs, each on a fresh
+    worker, saying each pair's ratio as it ends."""
+    print(f"{args.pairs} pairs of the sweep alone, then beside interactive jobs")
+    levels, pairs = [f"chat-{tag}", f"sweeps-{tag}"], []
+    for i in range(args.pairs):
+        (alone,) = on_worker(args, url, work, levels, ["alone"])
+        (both,) = on_worker(args, url, work, levels, ["both"])
+        pairs.append((alone, both))
+        if (figures := sweep_share(alone, both)) is not None:
+            got, floor, _ = figures
+            print(f"  pair {i + 1}: both / alone {got:.3f} (floor {floor:.3f})", flush=True)
+    return pairs
+
+
 def run(args: argparse.Namespace, url: str, work: Path) -> int:
     tag = uuid.uuid4().hex[:6]
     phases = mix_phases(args, url, work, tag)
@@ -920,6 +984,7 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
             served.close()
     if "fifo" in args.parts:
         (phases["fifo"],) = on_worker(args, url, work, [f"fifo-{tag}"], ["fifo"])
+    pairs = pair_phases(args, url, work, tag) if "pairs" in args.parts else []
     alone = phases["alone"].sweep if "alone" in phases else None
     if alone is not None and not alone.texts:
         alone = None  # read from a baseline: its texts were not kept
@@ -936,11 +1001,12 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
             print(f"\n{ph.name}: the decode thread's passes, ms (--trace {ph.trace})")
             print(trace_summary(read_trace(ph.trace, *ph.span), slowest=8))
     print()
-    met = targets(phases, windows, int(wa) / int(wb))
+    met = targets(phases, windows, int(wa) / int(wb), pairs)
     for what, figure, ok in met:
         verdict = "" if ok is None else ("  ok" if ok else "  MISSED")
         print(f"{what}: {figure}{verdict}")
-    problems = [p for ph in phases.values() for p in ph.problems]
+    ran = [*phases.values(), *(ph for pair in pairs for ph in pair)]
+    problems = [p for ph in ran for p in ph.problems]
     if args.json:
         doc = {
             "env": environment(args),
@@ -967,6 +1033,7 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
                 for n, ph in phases.items()
             },
             "windows": [{**asdict(w), "ratio": w.ratio} for w in windows],
+            "pairs": [pair_doc(a, b) for a, b in pairs],
             "targets": [{"target": w, "figure": f, "met": ok} for w, f, ok in met],
         }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -974,6 +1041,22 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
     if problems:
         print(f"ERROR: {len(problems)} wrong streams or results, first: {problems[0]}")
     return 1 if problems else 0
+
+
+def pair_doc(alone: Phase, both: Phase) -> dict[str, Any]:
+    """One pair's figures for ``--json``."""
+    figures = sweep_share(alone, both)
+    return {
+        "alone_tok_s": alone.sweep.tok_s if alone.sweep else None,
+        "both_tok_s": both.sweep.tok_s if both.sweep else None,
+        "ratio": None if figures is None else figures[0],
+        "floor": None if figures is None else figures[1],
+        "interactive": len(both.probes),
+        "p50_s": both.pct(50),
+        "p99_s": both.pct(99),
+        "counters": {"alone": alone.counters, "both": both.counters},
+        "busy_ms": {"alone": alone.busy_ms, "both": both.busy_ms},
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

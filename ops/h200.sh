@@ -99,6 +99,8 @@ priority)
         [ -f "$base" ] || { echo "no $base: run PARTS=base first on this machine" >&2; exit 2; }
         extra=(--baseline "$base")
     fi
+    # PARTS=pairs PAIRS=3 JOBS=5000: the sweep alone then beside the chat jobs, three times
+    # over in one call, each pair's ratio its own (the card's pace drifts between calls).
     # WORKER_ARGS: more worker options, e.g. "--admit-hold-steps 4" (the CPU's hold: a
     # sweep's refills gathered up to 16 steps) for a PARTS=both run against the default's.
     name=priority-${parts//,/-}${TAG:+-$TAG}  # TAG: tells two runs of one call apart
@@ -107,7 +109,7 @@ priority)
     log "bench_priority $parts: sweep $jobs jobs ${WORKER_ARGS:-}"
     "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts "$parts" \
         --sweep-jobs "$jobs" --idle-jobs "$idle" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
-        --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" 2>&1 |
+        --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" --pairs "${PAIRS:-2}" 2>&1 |
         tee "$OUT/$name.log"
     if [[ ",$parts," == *,base,* || ",$parts," == *,mix,* ]]; then cp "$OUT/$name.json" "$base"; fi
     # One file for the traces and the workers' logs: a device call brings back 8 files.
