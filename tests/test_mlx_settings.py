@@ -19,9 +19,7 @@ def test_the_thrashing_check_is_off_unless_the_operator_set_it():
     assert set(DEFAULTS) == {CHECK}
 
 
-def test_a_worker_sets_it_before_it_loads_the_model(
-    monkeypatch: pytest.MonkeyPatch, start_worker, queue_name
-):
+def test_a_worker_sets_it_before_it_loads_the_model(monkeypatch: pytest.MonkeyPatch, start_worker):
     monkeypatch.delenv(CHECK, raising=False)
     w = start_worker()
     text = w.output()
