@@ -16,7 +16,7 @@ from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.worker import config as c
 from mlxq.worker import logs, startup
 from mlxq.worker.env import EnvOptions
-from mlxq.worker.mlx_settings import apply_defaults
+from mlxq.worker.mlx_settings import apply_defaults, log_given
 
 log = logging.getLogger("mlxq.worker")
 
@@ -360,7 +360,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """
     config = config_from(args)
     logs.setup(args.log_level, args.log_format)
-    apply_defaults()  # MLX reads them at its first evaluation on the GPU
+    mlx_given = apply_defaults()  # MLX reads them at its first evaluation on the GPU
     try:
         from mlxq.worker.engine import Engine
         from mlxq.worker.process import Worker
@@ -383,6 +383,7 @@ def run_worker(args: argparse.Namespace) -> int:
         digest = startup.digest_of(config.model) or ""
         if digest:
             startup.check_model(config, digest)
+    log_given(mlx_given)
     worker = Worker(config, engine, model_digest=digest)
     freeze_startup_heap(f"worker {config.worker_name}")
     return worker.run()

@@ -30,6 +30,11 @@ def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, 
     return those set. Before the first evaluation on the GPU, which reads them."""
     given = {k: v for k, v in DEFAULTS.items() if k not in environ}
     environ.update(given)
+    return given
+
+
+def log_given(given: dict[str, str]) -> None:
+    """Say what :func:`apply_defaults` set, once the worker is past its start-up checks
+    (each refusal is one line)."""
     for k, v in given.items():
         log.info("mlx: %s=%s (the worker's default; set it to choose)", k, v)
-    return given
