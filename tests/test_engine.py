@@ -247,7 +247,7 @@ def test_a_traced_decode_step_notes_how_many_of_its_rows_sample(loaded, tmp_path
         {"g": _req("a greedy row", 6, temperature=0.0)},
         add_later=(2, {"s": _req("a sampled row", 2, temperature=0.7, seed=3)}),
     )
-    engine.counters.stages._trace.close()
+    engine.counters.stages.close()
     steps = [x for x in map(json.loads, path.read_text().splitlines()) if x["stage"] == "decode"]
     assert {x["sampled"] for x in steps} == {0, 1}
     assert all(x["sampled"] <= x["rows"] for x in steps)

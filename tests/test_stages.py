@@ -71,7 +71,7 @@ def test_the_trace_has_each_stage_as_it_ended_with_its_own_time_and_notes(
             s.note(rows=1, width=64, keys=96, new=True)
             clock.now += 0.040
     s.note(rows=3)  # no stage open: nothing to note, no error
-    s._trace.close()
+    s.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert lines == [
         {
@@ -164,3 +164,24 @@ def test_the_summary_splits_decode_steps_by_the_rows_that_joined_or_left_before_
     # no row changed: no split
     table = {r.split("  ")[0] for r in summary([step(15.0)]).splitlines()}
     assert "decode, rows unchanged" not in table
+
+
+def test_a_worker_stopped_leaves_its_whole_trace(
+    tmp_path, monkeypatch, start_worker, redis_server, queue_name
+):
+    """The trace is buffered (64 KiB); a worker's stop writes out what is left, so a
+    short run (or a run's last passes) is not lost."""
+    import json
+    import signal
+
+    from mlxq.producer import Client
+
+    path = tmp_path / "stages.jsonl"
+    monkeypatch.setenv(stages_module.TRACE_ENV, str(path))
+    w = start_worker(no_warm_up=True)
+    job = Client(redis_server.url, queue=queue_name).submit("a short job", max_tokens=4)
+    assert job.result(timeout=60).token_ids
+    w.signal(signal.SIGTERM)
+    assert w.proc.wait(60) == 0
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert sum(x["stage"] == "decode" for x in lines) >= 3, lines

@@ -158,6 +158,7 @@ class Worker:
         settled = self.sink.close(SETTLE_S)
         self.liveness.stop()
         self.loop.metrics.close()
+        self.engine.counters.stages.close()  # a trace's buffered tail, written out
         try:
             # Jobs handed here and not claimed go back to the queue; the roll is left only
             # with nothing held, else a live worker requeues what this one holds at once.

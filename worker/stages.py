@@ -59,6 +59,13 @@ class Stages:
             sync = mx.synchronize
         return cls(open(path, "a", buffering=1 << 16), sync)
 
+    def close(self) -> None:
+        """Write out and close the trace (its last 64 KiB are buffered until then); later
+        stages are timed but no longer traced."""
+        trace, self._trace, self._sync = self._trace, None, None
+        if trace is not None:
+            trace.close()
+
     @property
     def tracing(self) -> bool:
         """Whether stages are written to a trace (so notes are worth building)."""
