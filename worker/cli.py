@@ -20,6 +20,9 @@ from mlxq.worker.mlx_settings import apply_defaults, log_given
 
 log = logging.getLogger("mlxq.worker")
 
+#: An ``auto | on | off`` option's value as the config takes it (None: the worker decides).
+SWITCH = {"auto": None, "on": True, "off": False}
+
 WORKER_INSTALL_HINT = (
     "the worker needs MLX and mlx-lm: pip install 'mlxq[worker]' "
     "(on NVIDIA GPUs: pip install 'mlxq[cuda]')"
@@ -197,20 +200,16 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         f"0 takes each in at once; auto: {c.CUDA_ADMIT_HOLD_STEPS} with MLX on CUDA, "
         f"else {c.DEFAULT_ADMIT_HOLD_STEPS}",
     )
-    ENV.add(
+    _add_switch(
         p,
         "--prefill-buckets",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="pad each prefill to one of a few shapes, so a GPU reuses its attention "
+        "pad each prefill to one of a few shapes, so a GPU reuses its attention "
         "plans instead of building one per new shape; auto: on with MLX on CUDA",
     )
-    ENV.add(
+    _add_switch(
         p,
         "--fused-prefill",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run a chat job's prompt that starts beside a busy batch in the batch's decode "
+        "run a chat job's prompt that starts beside a busy batch in the batch's decode "
         "pass, not a pass of its own; auto: off (a sweep beside chat jobs ran slower with it)",
     )
     ENV.add(
@@ -228,6 +227,11 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT, seconds running jobs may finish before they are "
         "requeued; a second signal stops at once",
     )
+
+
+def _add_switch(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An ``auto | on | off`` option (:data:`SWITCH`), ``auto`` by default."""
+    ENV.add(p, flag, choices=tuple(SWITCH), default="auto", help=help)
 
 
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -343,8 +347,8 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         prompt_cache_bytes=args.prompt_cache_bytes,
         routing=args.routing,
         admit_hold_steps=args.admit_hold_steps,
-        prefill_buckets={"auto": None, "on": True, "off": False}[args.prefill_buckets],
-        fused_prefill={"auto": None, "on": True, "off": False}[args.fused_prefill],
+        prefill_buckets=SWITCH[args.prefill_buckets],
+        fused_prefill=SWITCH[args.fused_prefill],
         allow_mixed_models=args.allow_mixed_models,
         wait_replicas=args.wait_replicas,
     )
