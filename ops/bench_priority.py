@@ -19,10 +19,12 @@ this script starts (one at a time; the tiny model unless --model names another):
            window, read at the window's edges from the worker's Prometheus counter
            ``mlxq_queue_generation_tokens``
   fifo     (--fifo) the mix of "both" on a worker serving ONE queue, what levels fix
-  pairs    --pairs N more of "alone" then "both", alternating, each on a fresh worker: a
-           GPU whose pace drifts from one run to the next (an H100: 6.29 against 6.83 ms a
-           decode step, same code and layout, minutes apart) is compared within each pair,
-           and the sweep's share is the median of the pairs' own ratios
+  pairs    --pairs N more of "alone" and "both", each on a fresh worker, every other pair
+           "both" first: a GPU whose pace drifts from one run to the next (an H100: 6.29
+           against 6.83 ms a decode step, same code and layout, minutes apart; 6.7 to 10
+           over one call's eight runs) is compared within each pair, the drift's bias
+           turned one way then the other, and the sweep's share is the median of the
+           pairs' own ratios
 
 Then each target's figure: interactive p50 within 1.5x of idle, p99 within +100 ms of idle,
 the sweep at >= 0.95 of alone less the rows interactive jobs took (their share of the
@@ -867,7 +869,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--pairs",
         type=int,
         default=2,
-        help="--parts pairs: how many times alone then both, each on a fresh worker (2)",
+        help="--parts pairs: how many times alone and both, each on a fresh worker (2)",
     )
     ap.add_argument("--duration", type=float, default=60, help="s the weights run measures")
     ap.add_argument("--window-s", type=float, default=10, help="weights run: window length")
@@ -956,13 +958,17 @@ def mix_phases(args: argparse.Namespace, url: str, work: Path, tag: str) -> dict
 def pair_phases(
     args: argparse.Namespace, url: str, work: Path, tag: str
 ) -> list[tuple[Phase, Phase]]:
-    """``--pairs`` times the sweep alone, then beside interactive jobs, each on a fresh
+    """``--pairs`` times the sweep alone and beside interactive jobs, each on a fresh
     worker, saying each pair's ratio as it ends."""
-    print(f"{args.pairs} pairs of the sweep alone, then beside interactive jobs")
+    print(f"{args.pairs} pairs of the sweep alone and beside interactive jobs, in turn")
     levels, pairs = [f"chat-{tag}", f"sweeps-{tag}"], []
     for i in range(args.pairs):
-        (alone,) = on_worker(args, url, work, levels, ["alone"])
-        (both,) = on_worker(args, url, work, levels, ["both"])
+        # Every other pair runs "both" first: a card whose pace drifts one way over the
+        # call (an H100 slowed from 6.7 to 10 ms a decode step over eight runs) would
+        # otherwise bias every pair's ratio the same way.
+        order = ["alone", "both"] if i % 2 == 0 else ["both", "alone"]
+        ran = {name: on_worker(args, url, work, levels, [name])[0] for name in order}
+        alone, both = ran["alone"], ran["both"]
         pairs.append((alone, both))
         if (figures := sweep_share(alone, both)) is not None:
             got, floor, _ = figures

@@ -107,10 +107,24 @@ priority)
     # TRACE=1: each worker's decode thread, pass by pass (ops/stage_trace.py), gzipped.
     [ "${TRACE:-0}" = 1 ] && extra+=(--trace "$OUT/trace-$name")
     log "bench_priority $parts: sweep $jobs jobs ${WORKER_ARGS:-}"
+    # The card's clocks, power and temperature each second: its pace drifts between runs
+    # (an H100's decode step from 6.7 to 10 ms over one call), and this says whether the
+    # card throttled.
+    clocks=""
+    if command -v nvidia-smi > /dev/null; then
+        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+            --format=csv -l 1 > "$OUT/clocks-$name.csv" 2>&1 &
+        clocks=$!
+    fi
     "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts "$parts" \
         --sweep-jobs "$jobs" --idle-jobs "$idle" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
         --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" --pairs "${PAIRS:-2}" 2>&1 |
         tee "$OUT/$name.log"
+    [ -n "$clocks" ] && kill "$clocks" 2>/dev/null || true
+    # The kernels MLX compiled on this machine (NVRTC, cached under /tmp/mlx), by when: a
+    # worker's turn logged as slow (--slow-turn-ms) at a compile's time was that compile.
+    mkdir -p "$OUT/logs-$name"
+    ls -l --time-style=+%T /tmp/mlx/*/ptx 2>/dev/null | sort -k6 > "$OUT/logs-$name/ptx.txt" || true
     if [[ ",$parts," == *,base,* || ",$parts," == *,mix,* ]]; then cp "$OUT/$name.json" "$base"; fi
     # One file for the traces and the workers' logs: a device call brings back 8 files.
     packed=()
