@@ -28,3 +28,35 @@ def freeze_startup_heap(what: str) -> int:
     ms = (time.perf_counter() - start) * 1e3
     log.info("%s: %d start-up objects kept out of garbage collection (%.0f ms)", what, frozen, ms)
     return frozen
+
+
+#: A collection this long (s) is logged: every thread of the process waited for it.
+SLOW_COLLECTION_S = 0.1
+
+
+def watch_collections(what: str, slow_s: float = SLOW_COLLECTION_S) -> None:
+    """Log each garbage collection that takes ``slow_s`` or more, with its generation and
+    what it found: the collector holds the GIL, so a long one stalls every thread at once
+    (a worker's decode thread and its claims alike), and the log says it was the collector
+    and not the device. Costs two clock reads a collection."""
+    started: list[float] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+            return
+        if not started:
+            return
+        took = time.perf_counter() - started.pop()
+        if took >= slow_s:
+            log.warning(
+                "%s: garbage collection of generation %d took %.0f ms (%d objects "
+                "collected, %d uncollectable)",
+                what,
+                info.get("generation", -1),
+                1000 * took,
+                info.get("collected", 0),
+                info.get("uncollectable", 0),
+            )
+
+    gc.callbacks.append(note)

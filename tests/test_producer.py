@@ -89,6 +89,7 @@ def test_worker_help_shows_the_real_defaults_without_mlx():
         ("--max-batch", config.DEFAULT_MAX_BATCH),
         ("--stream-interval-ms", config.DEFAULT_STREAM_INTERVAL_MS),
         ("--grace-s", config.DEFAULT_GRACE_S),
+        ("--slow-turn-ms", config.DEFAULT_SLOW_TURN_MS),
         ("--admit-hold-steps", "auto"),
         ("--prefill-buckets", "auto"),
         ("--fused-prefill", "auto"),

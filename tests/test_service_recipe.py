@@ -228,6 +228,7 @@ SAMPLES = {
     "fused_prefill": ("off", "fused_prefill", False),
     "name": (f"env-{uuid.uuid4().hex[:6]}", "name", None),
     "grace_s": ("3", "grace_s", 3.0),
+    "slow_turn_ms": ("250", "slow_turn_ms", 250.0),
     "stream_ttl": ("60", "stream_ttl", 60),
     "stream_interval_ms": ("0", "stream_interval_ms", 0.0),
     "max_tokens_cap": ("99", "max_tokens_cap", 99),

@@ -185,3 +185,36 @@ def test_a_worker_stopped_leaves_its_whole_trace(
     assert w.proc.wait(60) == 0
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert sum(x["stage"] == "decode" for x in lines) >= 3, lines
+
+
+def test_since_gives_each_stage_grown_the_longest_first(clock):
+    s = Stages()
+    with s.on("decode"):
+        clock.now += 0.004
+    before = dict(s.ms)
+    with s.on("prefill"):
+        clock.now += 0.030
+    with s.on("decode"):
+        clock.now += 0.005
+    assert s.since(before) == pytest.approx({"prefill": 30.0, "decode": 5.0})
+    assert list(s.since(before)) == ["prefill", "decode"]
+    assert s.since(dict(s.ms)) == {}
+
+
+def test_a_worker_logs_each_turn_over_its_slow_turn_bound_with_its_stages(
+    start_worker, redis_server, queue_name
+):
+    """A bound under any turn's time (0.01 ms): every turn with work is logged, by its
+    longest stages; the default (1 s) is far over this CPU's turns."""
+    import re
+
+    from mlxq.producer import Client
+
+    w = start_worker(no_warm_up=True, slow_turn_ms=0.01)
+    job = Client(redis_server.url, queue=queue_name).submit("a short job", max_tokens=4)
+    assert job.result(timeout=60).token_ids
+    said = r"WARNING mlxq.worker: a decode turn took \d+ ms \(step \d+, (\d+) rows\): (.*)"
+    turns = re.findall(said, w.output())
+    assert turns, w.output()
+    assert any(int(rows) == 1 and "decode" in where for rows, where in turns), turns
+    assert all(re.fullmatch(r"\w+ \d+ ms(, \w+ \d+ ms){0,3}", where) for _, where in turns), turns

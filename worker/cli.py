@@ -11,7 +11,7 @@ from typing import Any
 
 from mlxq.producer import keys
 from mlxq.producer.errors import SetupError
-from mlxq.producer.heap import freeze_startup_heap
+from mlxq.producer.heap import freeze_startup_heap, watch_collections
 from mlxq.producer.params import MAX_TOKENS_CAP
 from mlxq.worker import config as c
 from mlxq.worker import logs, startup
@@ -227,6 +227,14 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT, seconds running jobs may finish before they are "
         "requeued; a second signal stops at once",
     )
+    ENV.add(
+        p,
+        "--slow-turn-ms",
+        type=float,
+        default=c.DEFAULT_SLOW_TURN_MS,
+        help="log each decode turn this long or longer with where it went (every row "
+        "waited for it); 0 logs none",
+    )
 
 
 def _add_switch(p: argparse.ArgumentParser, flag: str, help: str) -> None:
@@ -339,6 +347,7 @@ def config_from(args: argparse.Namespace) -> c.WorkerConfig:
         max_batch=args.max_batch,
         name=args.name,
         grace_s=args.grace_s,
+        slow_turn_ms=args.slow_turn_ms,
         stream_ttl=args.stream_ttl,
         stream_interval_ms=args.stream_interval_ms,
         max_tokens_cap=args.max_tokens_cap,
@@ -390,6 +399,7 @@ def run_worker(args: argparse.Namespace) -> int:
     log_given(mlx_given)
     worker = Worker(config, engine, model_digest=digest)
     freeze_startup_heap(f"worker {config.worker_name}")
+    watch_collections(f"worker {config.worker_name}")
     return worker.run()
 
 

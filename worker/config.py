@@ -24,6 +24,8 @@ DEFAULT_MAX_BATCH = 32
 #: several tokens per Redis command instead of one.
 DEFAULT_STREAM_INTERVAL_MS = 50.0
 DEFAULT_GRACE_S = 30.0
+#: A decode turn this long (ms) is logged with its stages: a stall every row waited for.
+DEFAULT_SLOW_TURN_MS = 1000.0
 #: Admission ageing bound (see ``mlxq.batching.admission``).
 DEFAULT_MAX_WAIT_STEPS = 32
 #: Decode steps a busy batch lets waiting jobs gather before their prefill (see
@@ -89,6 +91,8 @@ class WorkerConfig:
         max_batch: Most jobs decoding at once.
         name: Worker name; None picks ``host.pid.random``.
         grace_s: On SIGTERM, how long in-flight jobs may run before they are requeued.
+        slow_turn_ms: A decode turn this long or longer is logged with where it went,
+            by stage (every row waited for it); 0 logs none.
         max_tokens_cap: Largest ``max_tokens`` the worker accepts.
         stream_ttl: Seconds a job's replay log lives after its last chunk.
         stream_interval_ms: Tokens made within this interval share one chunk; 0 writes
@@ -140,6 +144,7 @@ class WorkerConfig:
     max_batch: int = DEFAULT_MAX_BATCH
     name: str | None = None
     grace_s: float = DEFAULT_GRACE_S
+    slow_turn_ms: float = DEFAULT_SLOW_TURN_MS
     max_tokens_cap: int = MAX_TOKENS_CAP
     stream_ttl: int = keys.DEFAULT_STREAM_TTL
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
@@ -183,6 +188,7 @@ class WorkerConfig:
         number_in("window_ms", self.window_ms, 0, 60_000)
         number_in("window_max_ms", self.window_max_ms, 0, 60_000)
         number_in("grace_s", self.grace_s, 0, 7 * 24 * 3600)
+        number_in("slow_turn_ms", self.slow_turn_ms, 0, 3_600_000)
         number_in("stream_interval_ms", self.stream_interval_ms, 0, 10_000)
         integer_in("max_batch", self.max_batch, 1, 4096)
         if self.reserve_rows >= self.max_batch:

@@ -13,12 +13,14 @@ moment its job ends. The threads around it are started and stopped by
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 
 from mlxq.producer.codec import Chunk
 from mlxq.producer.outcome import Outcome
@@ -77,6 +79,7 @@ class DecodeLoop:
         self.held, self.sink, self.prefetch = held, sink, prefetch
         self.interval = config.stream_interval_ms / 1000
         self.ttl_refresh_s = config.stream_ttl / 4
+        self.slow_turn_s = config.slow_turn_ms / 1000 or math.inf
         self.steps = 0
         self.outcomes: Counter[Outcome] = Counter()
         self.metrics: NoMetrics = NoMetrics()
@@ -113,7 +116,25 @@ class DecodeLoop:
         self._drain()
 
     def _turn(self) -> None:
-        on = self.engine.counters.stages.on
+        stages = self.engine.counters.stages
+        on, start, before = stages.on, time.perf_counter(), dict(stages.ms)
+        self._turn_stages(on)
+        if (took := time.perf_counter() - start) >= self.slow_turn_s:
+            self._slow_turn(took, stages.since(before))
+
+    def _slow_turn(self, took: float, stages: Mapping[str, float]) -> None:
+        """Say where a turn every row waited for went, by stage (a stage that waits on the
+        device holds whatever the device did: a kernel compiled the first time its shapes
+        came, a stalled card; a garbage collection logs its own line)."""
+        log.warning(
+            "a decode turn took %.0f ms (step %d, %d rows): %s",
+            1000 * took,
+            self.steps,
+            self.engine.active,
+            ", ".join(f"{k} {v:.0f} ms" for k, v in list(stages.items())[:4]) or "no stage",
+        )
+
+    def _turn_stages(self, on: Callable[[str], AbstractContextManager[None]]) -> None:
         with on("inbox"):
             self._handle_inbox()
         with on("intake"):  # with an idle worker's wait for a job

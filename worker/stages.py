@@ -100,6 +100,12 @@ class Stages:
                 line = {"t": round(start, 6), "stage": stage, "ms": round(own, 3)}
                 self._trace.write(json.dumps(line | self._notes.pop()) + "\n")
 
+    def since(self, before: dict[str, float]) -> dict[str, float]:
+        """Each stage's milliseconds since ``before`` (a copy of :attr:`ms`), the longest
+        first, the stages that took none left out."""
+        grown = {k: v - before.get(k, 0.0) for k, v in self.ms.items()}
+        return dict(sorted(((k, v) for k, v in grown.items() if v > 0), key=lambda kv: -kv[1]))
+
     def snapshot(self) -> dict[str, float]:
         """Each stage's milliseconds so far, rounded to microseconds."""
         return {k: round(v, 3) for k, v in sorted(self.ms.copy().items())}

@@ -17,7 +17,7 @@ from mlxq.producer.gateway.config import (
     api_key_problem,
     parse_service_tiers,
 )
-from mlxq.producer.heap import freeze_startup_heap
+from mlxq.producer.heap import freeze_startup_heap, watch_collections
 
 SERVE_INSTALL_HINT = "mlxq serve needs FastAPI and uvicorn: pip install 'mlxq[serve]'"
 #: Seconds open streams get on SIGTERM before they are cut (and their jobs canceled).
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     )
     app = create_app(config)
     freeze_startup_heap("gateway")
+    watch_collections("gateway")
     uvicorn.run(
         app,
         host=config.host,
