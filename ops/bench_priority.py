@@ -25,6 +25,13 @@ this script starts (one at a time; the tiny model unless --model names another):
            over one call's eight runs) is compared within each pair, the drift's bias
            turned one way then the other, and the sweep's share is the median of the
            pairs' own ratios
+  turns    --turns N windows of --turn-s with interactive jobs, each between two without,
+           all on one worker while one sweep of --sweep-jobs runs throughout: each "on"
+           window's sweep tokens per second over the mean of the "off" windows either
+           side (the first --guard-s of each window left out, where the last one's jobs
+           end), read from the worker's Prometheus counter by queue; a pace that drifts
+           over minutes cancels out of seconds-apart windows, where it does not out of
+           pairs of runs (an H100's sweep alone: 5,806 to 8,058 tok/s within one call)
 
 Then each target's figure: interactive p50 within 1.5x of idle, p99 within +100 ms of idle,
 the sweep at >= 0.95 of alone less the rows interactive jobs took (their share of the
@@ -40,6 +47,7 @@ Usage:
     python ops/bench_priority.py --sweep-jobs 300 --idle-jobs 20 --duration 20
     python ops/bench_priority.py --shape 0.5b --sweep-jobs 10000 --fifo --json out.json
     python ops/bench_priority.py --parts pairs --pairs 3 --sweep-jobs 5000   # the share alone
+    python ops/bench_priority.py --parts turns --turns 8 --sweep-jobs 20000  # the same, one run
 """
 
 from __future__ import annotations
@@ -618,6 +626,125 @@ def weights_phase(served: Served, args: argparse.Namespace) -> list[Window]:
         client.close()
 
 
+# -- turns --------------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """One window of a sweep that runs throughout, interactive jobs sent in it or not: the
+    tokens each queue decoded from its guard's end to its own."""
+
+    on: bool
+    sweep: int
+    chat: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.sweep / self.seconds if self.seconds else 0.0
+
+
+def turns_part(
+    args: argparse.Namespace, url: str, work: Path, tag: str
+) -> tuple[list[Turn], list[Followed]]:
+    """One worker, one sweep kept running, and windows of ``--turn-s`` with interactive
+    jobs and without them in turn (off first and last, so each "on" window has an "off"
+    one each side): the sweep alone and beside interactive jobs seconds apart, on a card
+    whose pace drifts from one run to the next."""
+    print(
+        f"turns: one sweep, {args.turn_s:g} s windows without and with interactive jobs "
+        f"in turn ({args.turns} with), the first {args.guard_s:g} s of each left out"
+    )
+    served = Served(args, url, [f"chat-{tag}", f"sweeps-{tag}"], work)
+    try:
+        return asyncio.run(_turns(served, args))
+    finally:
+        served.close()
+
+
+async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], list[Followed]]:
+    chat_q, sweep_q = served.levels[0], served.levels[-1]
+    b = Bench(served, args)
+    chats: list[asyncio.Task[list[Followed]]] = []
+    try:
+        await b.warm(sweep_q, chat_q)
+        kws = sweep_jobs(f"turns-{uuid.uuid4().hex[:6]}", args.sweep_jobs)
+        for i in range(0, len(kws), SUBMIT_CHUNK):
+            await b.client.submit_many(kws[i : i + SUBMIT_CHUNK], queue=sweep_q)
+        await asyncio.sleep(args.turn_s)  # the batch fills: no window's
+        turns: list[Turn] = []
+        for i in range(2 * args.turns + 1):
+            on, start = i % 2 == 1, time.perf_counter()
+            done = asyncio.Event()
+            if on:
+                every = args.interactive_every
+                chats.append(asyncio.create_task(interactive(b.client, chat_q, every, None, done)))
+            await asyncio.sleep(args.guard_s)  # what the last window left ends
+            t0, m0 = time.perf_counter(), await asyncio.to_thread(served.metrics)
+            await asyncio.sleep(max(0.0, start + args.turn_s - time.perf_counter()))
+            t1, m1 = time.perf_counter(), await asyncio.to_thread(served.metrics)
+            done.set()
+            turn = Turn(
+                on,
+                int(queue_tokens(m1, sweep_q) - queue_tokens(m0, sweep_q)),
+                int(queue_tokens(m1, chat_q) - queue_tokens(m0, chat_q)),
+                t1 - t0,
+            )
+            turns.append(turn)
+            print(
+                f"  turn {i + 1} ({'on' if on else 'off'}): sweep {turn.rate:,.0f} tok/s, "
+                f"interactive {turn.chat} tokens",
+                flush=True,
+            )
+            left = await asyncio.to_thread(lambda: Queue(sweep_q, connection=served.r).count)
+            if left < 2 * args.max_batch and i < 2 * args.turns:
+                print(f"  the sweep ran low ({left} queued): stopping; give more --sweep-jobs")
+                if on:
+                    continue  # one more "off" window closes it
+                break
+        probes = [f for fs in await asyncio.gather(*chats) for f in fs]
+        return turns, probes
+    finally:
+        for t in chats:
+            t.cancel()
+        await asyncio.to_thread(lambda: Queue(sweep_q, connection=served.r).empty())
+        await b.aclose()
+
+
+def turn_ratios(turns: Sequence[Turn]) -> list[float]:
+    """Each "on" window's sweep rate over the mean of the "off" windows either side."""
+    out = []
+    for i, t in enumerate(turns):
+        if t.on and 0 < i < len(turns) - 1 and not turns[i - 1].on and not turns[i + 1].on:
+            beside = (turns[i - 1].rate + turns[i + 1].rate) / 2
+            if beside:
+                out.append(t.rate / beside)
+    return out
+
+
+def turns_target(turns: Sequence[Turn], probes: Sequence[Followed]) -> list[Target]:
+    ratios = turn_ratios(turns)
+    if not ratios:
+        return []
+    on = [t for t in turns if t.on]
+    share = sum(t.chat for t in on) / max(1, sum(t.chat + t.sweep for t in on))
+    got, floor = statistics.median(ratios), 0.95 * (1 - share)
+    firsts = sorted(p.first_s for p in probes if p.first_s is not None)
+    return [
+        (
+            f"sweep tok/s, on / off windows either side, median of {len(ratios)} (>= the floor)",
+            f"{got:.3f} (mean {statistics.fmean(ratios):.3f}, range {min(ratios):.3f}-"
+            f"{max(ratios):.3f}; floor {floor:.3f})",
+            got >= floor,
+        ),
+        (
+            "interactive first token in the windows, p50 / p99",
+            f"{ms(percentile(firsts, 50))} / {ms(percentile(firsts, 99))} ms ({len(firsts)} jobs)",
+            None,
+        ),
+    ]
+
+
 # -- report -------------------------------------------------------------------------------
 
 
@@ -862,14 +989,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=lambda v: v.split(","),
         default=["mix", "weights"],
         help="what to run, comma-separated: mix (idle, alone, both), base (idle, alone), "
-        "both, weights, fifo, pairs (default mix,weights); base then both --baseline splits "
-        "the mix over two runs",
+        "both, weights, fifo, pairs, turns (default mix,weights); base then both --baseline "
+        "splits the mix over two runs",
     )
     ap.add_argument(
         "--pairs",
         type=int,
         default=2,
         help="--parts pairs: how many times alone and both, each on a fresh worker (2)",
+    )
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=8,
+        help="--parts turns: windows with interactive jobs, each between two without (8)",
+    )
+    ap.add_argument("--turn-s", type=float, default=5.0, help="--parts turns: window length")
+    ap.add_argument(
+        "--guard-s",
+        type=float,
+        default=1.0,
+        help="--parts turns: the start of each window left out (the last one's jobs end)",
     )
     ap.add_argument("--duration", type=float, default=60, help="s the weights run measures")
     ap.add_argument("--window-s", type=float, default=10, help="weights run: window length")
@@ -907,12 +1047,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--duration must be > 0, --follow >= 0")
     if args.fifo:
         args.parts.append("fifo")
-    if bad := sorted(set(args.parts) - {"mix", "base", "both", "weights", "fifo", "pairs"}):
-        ap.error(
-            f"--parts: unknown {','.join(bad)}; choose from mix, base, both, weights, fifo, pairs"
-        )
-    if args.pairs < 1:
-        ap.error("--pairs must be >= 1")
+    known = {"mix", "base", "both", "weights", "fifo", "pairs", "turns"}
+    if bad := sorted(set(args.parts) - known):
+        ap.error(f"--parts: unknown {','.join(bad)}; choose from {', '.join(sorted(known))}")
+    if args.pairs < 1 or args.turns < 1:
+        ap.error("--pairs and --turns must be >= 1")
+    if not 0 <= args.guard_s < args.turn_s:
+        ap.error("--guard-s must be >= 0 and under --turn-s")
     return args
 
 
@@ -991,6 +1132,7 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
     if "fifo" in args.parts:
         (phases["fifo"],) = on_worker(args, url, work, [f"fifo-{tag}"], ["fifo"])
     pairs = pair_phases(args, url, work, tag) if "pairs" in args.parts else []
+    turns, turn_probes = turns_part(args, url, work, tag) if "turns" in args.parts else ([], [])
     alone = phases["alone"].sweep if "alone" in phases else None
     if alone is not None and not alone.texts:
         alone = None  # read from a baseline: its texts were not kept
@@ -1007,12 +1149,13 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
             print(f"\n{ph.name}: the decode thread's passes, ms (--trace {ph.trace})")
             print(trace_summary(read_trace(ph.trace, *ph.span), slowest=8))
     print()
-    met = targets(phases, windows, int(wa) / int(wb), pairs)
+    met = targets(phases, windows, int(wa) / int(wb), pairs) + turns_target(turns, turn_probes)
     for what, figure, ok in met:
         verdict = "" if ok is None else ("  ok" if ok else "  MISSED")
         print(f"{what}: {figure}{verdict}")
     ran = [*phases.values(), *(ph for pair in pairs for ph in pair)]
     problems = [p for ph in ran for p in ph.problems]
+    problems += [f"interactive job: {f.problem}" for f in turn_probes if f.problem]
     if args.json:
         doc = {
             "env": environment(args),
@@ -1040,6 +1183,8 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
             },
             "windows": [{**asdict(w), "ratio": w.ratio} for w in windows],
             "pairs": [pair_doc(a, b) for a, b in pairs],
+            "turns": [{**asdict(t), "rate": t.rate} for t in turns],
+            "turn_ratios": turn_ratios(turns),
             "targets": [{"target": w, "figure": f, "met": ok} for w, f, ok in met],
         }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

@@ -101,6 +101,8 @@ priority)
     fi
     # PARTS=pairs PAIRS=3 JOBS=5000: the sweep alone then beside the chat jobs, three times
     # over in one call, each pair's ratio its own (the card's pace drifts between calls).
+    # PARTS=turns JOBS=20000 (TURNS=8 TURN_S=5): one worker, one sweep throughout, 5 s
+    # windows with the chat jobs and without in turn (the pace drifts between runs too).
     # WORKER_ARGS: more worker options, e.g. "--admit-hold-steps 4" (the CPU's hold: a
     # sweep's refills gathered up to 16 steps) for a PARTS=both run against the default's.
     name=priority-${parts//,/-}${TAG:+-$TAG}  # TAG: tells two runs of one call apart
@@ -118,7 +120,8 @@ priority)
     fi
     "$PY" ops/bench_priority.py "${shape_args[@]}" --model "$MODEL" --parts "$parts" \
         --sweep-jobs "$jobs" --idle-jobs "$idle" --duration "$duration" --json "$OUT/$name.json" "${extra[@]}" \
-        --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" --pairs "${PAIRS:-2}" 2>&1 |
+        --worker-args="${WORKER_ARGS:-}" --logs "$OUT/logs-$name" --pairs "${PAIRS:-2}" \
+        --turns "${TURNS:-8}" --turn-s "${TURN_S:-5}" 2>&1 |
         tee "$OUT/$name.log"
     [ -n "$clocks" ] && kill "$clocks" 2>/dev/null || true
     # The kernels MLX compiled on this machine (NVRTC, cached under /tmp/mlx), by when: a
