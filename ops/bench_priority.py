@@ -638,6 +638,7 @@ class Turn:
     sweep: int
     chat: int
     seconds: float
+    at: float = 0.0  # wall clock at the guard's end (beside the card's clocks, h200.sh)
 
     @property
     def rate(self) -> float:
@@ -680,7 +681,7 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
                 every = args.interactive_every
                 chats.append(asyncio.create_task(interactive(b.client, chat_q, every, None, done)))
             await asyncio.sleep(args.guard_s)  # what the last window left ends
-            t0, m0 = time.perf_counter(), await asyncio.to_thread(served.metrics)
+            at, t0, m0 = time.time(), time.perf_counter(), await asyncio.to_thread(served.metrics)
             await asyncio.sleep(max(0.0, start + args.turn_s - time.perf_counter()))
             t1, m1 = time.perf_counter(), await asyncio.to_thread(served.metrics)
             done.set()
@@ -689,6 +690,7 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
                 int(queue_tokens(m1, sweep_q) - queue_tokens(m0, sweep_q)),
                 int(queue_tokens(m1, chat_q) - queue_tokens(m0, chat_q)),
                 t1 - t0,
+                at,
             )
             turns.append(turn)
             print(
