@@ -39,7 +39,7 @@ def test_a_slow_collection_is_logged_with_its_generation_and_a_quick_one_is_not(
         "from mlxq.producer.heap import watch_collections\n"
         "watch_collections('quick', slow_s=3600)\n"
         "watch_collections('test', slow_s=0.005)\n"
-        "heap = [[i] for i in range(2_000_000)]\n"  # tracked objects for a full walk
+        "heap = [[i] for i in range(1_000_000)]\n"  # tracked objects for a full walk
         "gc.collect()\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
