@@ -182,6 +182,17 @@ class WorkerProcess:
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
+    def freeze(self, timeout: float = 10) -> None:
+        """SIGSTOP, then wait until the process shows as stopped. Writes it sent just
+        before may still land after: read what it left with ``opshelp.settled``."""
+        self.proc.send_signal(signal.SIGSTOP)
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        deadline = time.monotonic() + timeout
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {self.name} did not stop on SIGSTOP")
+            time.sleep(0.01)
+
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -149,3 +149,15 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
         assert isinstance(doc, dict), line
         docs.append(doc)
     return docs
+
+
+def settled(read: Callable[[], Any], apart: float = 0.1) -> Any:
+    """``read()`` once two reads ``apart`` s apart agree: a frozen worker's writes sent
+    just before its SIGSTOP (a start, an end) land after it, so one read may be stale."""
+    last = read()
+    while True:
+        time.sleep(apart)
+        now = read()
+        if now == last:
+            return now
+        last = now

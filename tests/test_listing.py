@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
-from opshelp import mlxq_all, wait_for
+from opshelp import mlxq_all, settled, wait_for
 from rq.job import JobStatus
 
 from mlxq.producer import Client, keys
@@ -65,32 +63,19 @@ def _frozen_with_buffered_jobs(worker: Any, jobs: list[Any]) -> tuple[set[str], 
     """Freeze ``worker`` (SIGSTOP) while it holds jobs it claimed and has not started;
     the ids of those, and of every job queued (as each job's own status says)."""
     wip = keys.wip_key(worker.name)
+
+    def read() -> tuple[dict[str, Any], set[str]]:
+        held = {x.decode() for x in worker.redis.lrange(wip, 0, -1)}
+        return {j.id: j.status() for j in jobs}, held
+
     while True:
         wait_for(lambda: worker.redis.llen(wip) >= 2, "the worker to claim jobs ahead")
-        worker.signal(signal.SIGSTOP)  # frozen: what it holds stays held
-        statuses, held = _settled(worker, jobs, wip)
+        worker.freeze()  # frozen: what it holds stays held
+        statuses, held = settled(read)
         queued = {i for i, st in statuses.items() if st == "queued"}
         if queued & held and queued - held:  # some buffered, some still in the queue's list
             return queued & held, queued
         worker.signal(signal.SIGCONT)
-
-
-def _settled(worker: Any, jobs: list[Any], wip: str) -> tuple[dict[str, Any], set[str]]:
-    """Each job's status and the worker's WIP list once the worker is stopped and two
-    reads 0.1 s apart agree: a write it sent just before SIGSTOP lands after it (a job
-    read as queued, then started by a command already on its way)."""
-    stat = Path(f"/proc/{worker.proc.pid}/stat")
-    wait_for(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T", "SIGSTOP")
-    last = None
-    while True:
-        now = (
-            {j.id: j.status() for j in jobs},
-            {x.decode() for x in worker.redis.lrange(wip, 0, -1)},
-        )
-        if now == last:
-            return now
-        last = now
-        time.sleep(0.1)
 
 
 def test_jobs_a_worker_claimed_but_not_started_are_listed_and_counted_as_queued(

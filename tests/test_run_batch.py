@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from opshelp import settled
 from rq import Queue
 
 from mlxq.producer import Client, keys
@@ -506,8 +507,8 @@ def test_a_worker_killed_mid_sweep(tmp_path, redis_server, queue_name, start_wor
         wait_until(
             "16 output lines and jobs running", lambda: lines_in(out) >= 16 and started.count
         )
-        a.signal(signal.SIGSTOP)  # frozen: what it has started stays started
-        running = started.get_job_ids(cleanup=False)
+        a.freeze()  # frozen: what it has started stays started (once its last ends land)
+        running = settled(lambda: started.get_job_ids(cleanup=False))
         if not running:
             a.signal(signal.SIGCONT)
     a.signal(signal.SIGKILL)
