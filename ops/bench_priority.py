@@ -693,9 +693,10 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
                 at,
             )
             turns.append(turn)
+            spill = "" if on or not turn.chat else " (past the guard: a longer --guard-s)"
             print(
                 f"  turn {i + 1} ({'on' if on else 'off'}): sweep {turn.rate:,.0f} tok/s, "
-                f"interactive {turn.chat} tokens",
+                f"interactive {turn.chat} tokens{spill}",
                 flush=True,
             )
             left = await asyncio.to_thread(lambda: Queue(sweep_q, connection=served.r).count)
