@@ -185,13 +185,15 @@ class WorkerProcess:
     def freeze(self, timeout: float = 10) -> None:
         """SIGSTOP, then wait until the process shows as stopped. Writes it sent just
         before may still land after: read what it left with ``opshelp.settled``."""
+        from opshelp import wait_for
+
         self.proc.send_signal(signal.SIGSTOP)
         stat = Path(f"/proc/{self.proc.pid}/stat")
-        deadline = time.monotonic() + timeout
-        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
-            if time.monotonic() > deadline:
-                raise AssertionError(f"worker {self.name} did not stop on SIGSTOP")
-            time.sleep(0.01)
+
+        def stopped() -> bool:  # the state follows the command's name in parentheses
+            return stat.read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+        wait_for(stopped, f"worker {self.name} to stop on SIGSTOP", timeout)
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

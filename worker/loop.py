@@ -19,8 +19,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Mapping
 
 from mlxq.producer.codec import Chunk
 from mlxq.producer.outcome import Outcome
@@ -117,8 +116,8 @@ class DecodeLoop:
 
     def _turn(self) -> None:
         stages = self.engine.counters.stages
-        on, start, before = stages.on, time.perf_counter(), dict(stages.ms)
-        self._turn_stages(on)
+        start, before = time.perf_counter(), dict(stages.ms)
+        self._turn_stages()
         if (took := time.perf_counter() - start) >= self.slow_turn_s:
             self._slow_turn(took, stages.since(before))
 
@@ -134,7 +133,8 @@ class DecodeLoop:
             ", ".join(f"{k} {v:.0f} ms" for k, v in list(stages.items())[:4]) or "no stage",
         )
 
-    def _turn_stages(self, on: Callable[[str], AbstractContextManager[None]]) -> None:
+    def _turn_stages(self) -> None:
+        on = self.engine.counters.stages.on
         with on("inbox"):
             self._handle_inbox()
         with on("intake"):  # with an idle worker's wait for a job
