@@ -6,7 +6,13 @@ sweep's rows are greedy. This times one step (model pass, log-softmax, one sampl
 outside the worker on the same shapes, each variant alone and synchronized per step, then
 the sampler call alone on random log-probs of the model's vocabulary.
 
+A synchronized step holds the host's work for the step and the device's in one figure.
+``--pipelined`` times steps as the worker runs them instead: each step queued before the
+one before it is read, so the figure is the device's or the host's, whichever is longer,
+by rows (64 to 128) and sampled rows.
+
     python ops/bench_step_mix.py                 # 0.5B shape (bf16, 4-bit)
+    python ops/bench_step_mix.py --pipelined     # steps in sequence, as the worker's
     python ops/bench_step_mix.py --shape tiny    # a CPU's quick look
     python ops/bench_step_mix.py --sampler-only --vocab 64 --sampler-steps 2000
                                                  # the sampler's dispatch alone (a CPU)
@@ -15,6 +21,7 @@ the sampler call alone on random log-probs of the model's vocabulary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -29,6 +36,7 @@ from bench_kv_rows import Batch, build
 
 from mlxq.batching.sampler import RowParams, sample
 from mlxq.producer.params import SamplingParams
+from mlxq.worker.fused_pass import fused_pass
 from mlxq.worker.random_model import SHAPES
 
 #: Calls each variant makes before its timed ones (kernels built, buffers allocated).
@@ -70,6 +78,51 @@ def run(model: Any, rows: int, sampled: int, prompt: int, steps: int, seeded: bo
         return [batch.next, *batch.arrays()]
 
     return median_ms(step, steps)
+
+
+def run_pipelined(
+    model: Any, rows: int, sampled: int, head_rows: int, prompt: int, steps: int
+) -> float:
+    """Decode steps in sequence (seeded sampled rows), the rows' tokens as one sequence
+    where the worker runs them so (:mod:`mlxq.worker.fused_pass`): step i+1 is queued
+    before step i's tokens are read, as the worker's decode steps run. The median of each
+    step's wall time, after :data:`WARM` untimed steps."""
+    batch = Batch(model, rows, prompt)
+    rp = mix(rows, sampled, "seeded")
+    fused = fused_pass(model)  # the worker's pass: the rows' tokens as one sequence
+    if fused is not None:
+        fused = dataclasses.replace(fused, head_rows=head_rows)
+
+    def step(i: int) -> mx.array:
+        if fused is not None:
+            logits = fused.decode(batch.next, batch.caches)
+        else:
+            logits = model(batch.next[:, None], cache=batch.caches)[:, -1, :]
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        batch.next = sample(lp, rp, mx.array([prompt + i] * rows))
+        mx.async_eval(batch.next)
+        return batch.next
+
+    pending = step(0)
+    times = []
+    for i in range(1, steps + WARM + 1):
+        start = time.perf_counter()
+        queued = step(i)
+        pending.tolist()
+        pending = queued
+        if i > WARM:
+            times.append((time.perf_counter() - start) * 1e3)
+    pending.tolist()
+    return statistics.median(times)
+
+
+#: (rows, sampled rows, the head's rows in parts: mlxq.worker.fused_pass.HEAD_ROWS) for
+#: steps in sequence: a 65th row with the head in one product and in parts, a sampled row
+#: inside 64 and beside it, wider batches; the plain 64 again last, for drift.
+PIPELINED = [
+    (64, 0, 0), (65, 0, 0), (65, 0, 64), (65, 1, 0), (65, 1, 64), (64, 1, 0), (62, 0, 0),
+    (63, 1, 0), (66, 2, 0), (66, 2, 64), (72, 0, 0), (96, 0, 0), (128, 0, 0), (64, 0, 0),
+]  # fmt: skip
 
 
 def sampler_only(rows: int, sampled: int, kind: str, vocab: int, steps: int) -> float:
@@ -122,6 +175,11 @@ def main() -> None:
         action="store_true",
         help="time the sampler alone (no model): on a CPU a small --vocab shows its dispatch",
     )
+    ap.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="whole steps in sequence, each queued before the last is read (as the worker)",
+    )
     ap.add_argument("--vocab", type=int, help="the sampler's vocabulary (default: the model's)")
     ap.add_argument("--sampler-steps", type=int, help="calls timed a variant (default: --steps)")
     args = ap.parse_args()
@@ -130,6 +188,12 @@ def main() -> None:
         alone(vocab, args.sampler_steps or args.steps, args.rows)
         return
     model = build(args.shape, args.bits)
+    if args.pipelined:
+        print("steps in sequence: rows sampled head-parts  ms/step (median)")
+        for rows, sampled, parts in PIPELINED:
+            ms = run_pipelined(model, rows, sampled, parts, 40, args.steps)
+            print(f"{rows:4d} {sampled:7d} {parts:10d}  {ms:7.2f}")
+        return
     print("rows sampled seeded prompt  ms/step (median)")
     for rows, sampled, seeded, prompt in WHOLE:
         rows += args.rows - 64
