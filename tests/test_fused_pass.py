@@ -16,7 +16,12 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 
 from mlxq.producer.params import GenerationRequest, SamplingParams  # noqa: E402
 from mlxq.worker.engine import Engine  # noqa: E402
-from mlxq.worker.fused_pass import fused_pass  # noqa: E402
+from mlxq.worker.fused_pass import (  # noqa: E402
+    HEAD_ROWS_ENV,
+    fused_pass,
+    head_in_parts,
+    head_rows,
+)
 from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
 
 
@@ -50,6 +55,60 @@ def test_decode_steps_as_one_sequence_give_the_models_logits(loaded):
     for a, b in zip(theirs, ours, strict=True):
         assert a._idx == b._idx and mx.array_equal(a.offset, b.offset).item()
         assert mx.allclose(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :], atol=1e-5).item()
+
+
+class CountingHead:
+    """The model's head, counting its products and the rows of each."""
+
+    def __init__(self, head):
+        self.head, self.rows = head, []
+
+    def __call__(self, h):
+        self.rows.append(h.shape[1])
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    ("rows", "part", "products"),
+    [(65, 64, [64, 1]), (70, 64, [64, 6]), (72, 64, [72]), (64, 64, [64]), (65, 0, [65]),
+     (5, 64, [5]), (130, 64, [128, 2])],
+)  # fmt: skip
+def test_the_head_in_parts_gives_the_one_products_logits(loaded, rows, part, products):
+    """Rows a few past a full part run apart (MLX's CUDA backend tiles its 4-bit products
+    by 64 rows); anything else is one product. The logits are the same either way."""
+    model = loaded[0]
+    fused = fused_pass(model)
+    assert fused is not None
+    h = mx.random.normal((1, rows, model.args.hidden_size), key=mx.random.key(rows))
+    counted = CountingHead(fused.head)
+    got = head_in_parts(counted, h, part)
+    assert counted.rows == products
+    want = fused.head(h)[0]
+    assert got.shape == want.shape == (rows, model.args.vocab_size)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_the_heads_parts_are_off_on_a_cpu_and_the_environment_may_say(monkeypatch, caplog):
+    monkeypatch.delenv(HEAD_ROWS_ENV, raising=False)
+    assert head_rows() == 0  # MLX on this machine's CPU: no tiles to fill
+    monkeypatch.setenv(HEAD_ROWS_ENV, "64")
+    assert head_rows() == 64
+    monkeypatch.setenv(HEAD_ROWS_ENV, "lots")
+    assert head_rows() == 0
+    assert "MLXQ_HEAD_ROWS='lots': not a count of rows" in caplog.text
+
+
+def test_a_decode_step_of_65_rows_with_the_head_in_parts_gives_the_same_logits(loaded):
+    model = loaded[0]
+    fused = fused_pass(model)
+    assert fused is not None
+    parted = dataclasses.replace(fused, head_rows=64)
+    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(65)]
+    theirs, ours = _batch(model, prompts), _batch(model, prompts)
+    tokens = mx.arange(65) % 50
+    want = fused.decode(tokens, theirs)
+    got = parted.decode(tokens, ours)
+    assert mx.allclose(got, want, atol=1e-5).item()
 
 
 def test_a_new_rows_prompt_shares_the_decode_steps_pass(loaded):

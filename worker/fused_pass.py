@@ -16,11 +16,20 @@ models: ``model.model`` with ``embed_tokens``, ``layers`` and ``norm``; each lay
 ``post_attention_layernorm`` and ``mlp``, every layer attending to all it holds. Any other
 model, or one whose fused logits do not agree with its own calls' on a check at load
 (:func:`fused_pass`), keeps two passes.
+
+The head in parts. MLX's CUDA backend multiplies a 4-bit matrix by up to 64 rows in one
+tile of rows (``qmm_sm80``: 16, 32 or 64 rows a tile, by the rows' next power of two), so
+a 65th row doubles the tiles, and the head's product over a 152k vocabulary is hundreds
+of tiles: a sweep's 64 rows with a chat row beside them paid about a whole head more each
+step (an H200, 0.5B shape: a decode step of 65 rows took 6.14 ms at p50 against 5.34 for
+64). There the head runs over full tiles of :data:`HEAD_ROWS` rows and the few rows past
+them apart, which MLX multiplies row by row (``qmv``, under 8 rows).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +48,15 @@ log = logging.getLogger(__name__)
 #: for a chat first token 3-6 ms sooner; on a CPU it saves nothing (docs/benchmarks.md).
 FUSED_PREFILL = False
 
+#: Rows of one tile of the head's product on MLX's CUDA backend (``qmm_sm80``); 0: the
+#: head over every row at once (every other backend). ``MLXQ_HEAD_ROWS`` may set it
+#: (:func:`head_rows`).
+HEAD_ROWS = 64
+HEAD_ROWS_ENV = "MLXQ_HEAD_ROWS"
+#: Fewer rows past the last full tile than this run apart (MLX's ``qmv``, under 8 rows);
+#: more would pay a tile of their own, as much as the one product.
+_APART = 8
+
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -50,6 +68,8 @@ class FusedPass:
 
     inner: Any
     head: Callable[[mx.array], mx.array]
+    #: The head's rows in parts of this many (0: one product; :data:`HEAD_ROWS`).
+    head_rows: int = 0
 
     def decode(self, tokens: mx.array, caches: list[Any]) -> mx.array:
         """Feed each batch row its next token (``tokens``, one a row, into ``caches``) as
@@ -94,8 +114,20 @@ class FusedPass:
         h = inner.norm(h)
         if width:
             h = h[:, mx.array([*range(rows), rows + (width - 1 if end is None else end)])]
-        logits = self.head(h)[0]
+        logits = head_in_parts(self.head, h, self.head_rows)
         return logits[:rows], logits[rows:]
+
+
+def head_in_parts(head: Callable[[mx.array], mx.array], h: mx.array, part: int) -> mx.array:
+    """``head(h)[0]`` for ``h`` of (1, n, dims): where ``part`` is set and n is past a
+    multiple of it by fewer than 8 rows, the full parts in one product and the rest apart
+    (see the module's doc); one product otherwise."""
+    n = h.shape[1]
+    rest = n % part if part else 0
+    if not rest or rest >= _APART or n < part:
+        return head(h)[0]
+    cut = n - rest
+    return mx.concatenate([head(h[:, :cut])[0], head(h[:, cut:])[0]])
 
 
 def _attend(
@@ -135,7 +167,7 @@ def fused_pass(model: Any) -> FusedPass | None:
     ):
         log.info("fused prefill: %s's layers are not the common layout", name)
         return None
-    fused = FusedPass(inner, head)
+    fused = FusedPass(inner, head, head_rows())
     try:
         same = _agrees(model, fused)
     except Exception as e:  # a layer whose parts are called otherwise
@@ -145,6 +177,19 @@ def fused_pass(model: Any) -> FusedPass | None:
         log.info("fused prefill: %s's fused pass differs from its own calls", name)
         return None
     return fused
+
+
+def head_rows() -> int:
+    """:data:`HEAD_ROWS` where MLX runs on CUDA, else 0. ``MLXQ_HEAD_ROWS`` (a count of
+    rows; 0: one product) wins, to compare the two on one machine."""
+    given = os.environ.get(HEAD_ROWS_ENV)
+    if given is not None:
+        if given.strip().isdigit():
+            return int(given)
+        log.warning("%s=%r: not a count of rows; the default holds", HEAD_ROWS_ENV, given)
+    cuda = getattr(mx, "cuda", None)
+    on_cuda = cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu
+    return HEAD_ROWS if on_cuda else 0
 
 
 def _agrees(model: Any, fused: FusedPass) -> bool:
