@@ -3,6 +3,11 @@ them after (counts, prompt cache), nor in any greedy or seeded job's tokens."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from mlxq.producer.params import GenerationRequest, SamplingParams
@@ -130,3 +135,76 @@ def test_with_buckets_greedy_and_seeded_tokens_are_those_of_a_worker_without_it(
     warmed = Engine(*loaded, max_batch=8, prefill_buckets=True)
     warm_up(warmed)
     assert _tokens(warmed) == _tokens(Engine(*loaded, max_batch=8, prefill_buckets=True))
+
+
+#: Run in a process of its own whose MLX builds its kernels into an empty directory
+#: (``$TMPDIR/mlx/<version>/cpu``), so what it builds can be listed.
+BESIDE_SCRIPT = """
+import glob, json, os, sys
+import mlx_lm
+from mlxq.producer.params import GenerationRequest, SamplingParams
+from mlxq.worker.engine import Engine
+from mlxq.worker.jobs import Job, apply_deltas
+from mlxq.worker.warmup import warm_up
+
+def built():
+    return {os.path.basename(f) for f in glob.glob(os.environ["TMPDIR"] + "/mlx/*/cpu/*")}
+
+model, tokenizer = mlx_lm.load(sys.argv[1])
+engine = Engine(model, tokenizer, max_batch=12)
+warm_up(engine)
+n = 0
+
+def jobs(params, tokens=6):
+    global n
+    out = []
+    for p in params:
+        n += 1
+        req = GenerationRequest(prompt=f"row {n} of a sweep", max_tokens=tokens, sampling=p)
+        job = Job(f"j{n}", req, engine.encode(req))
+        job.start("exec")
+        out.append(job)
+    return out
+
+engine.add(jobs([SamplingParams()] * 9, 60), ride=True)  # a sweep's refill
+for _ in range(2):
+    apply_deltas(engine.step())
+t, s = SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, seed=5)
+p = SamplingParams(temperature=0.7, top_p=0.9, seed=6)
+for name, params in (("seeded", [s]), ("two seeded", [s, s]), ("plain", [t]),
+                     ("two plain", [t, t]), ("seeded and plain", [s, t]), ("top_p", [p])):
+    before = built()
+    engine.add(jobs(params))  # chat jobs: no ride, their first token from their prefill
+    for _ in range(7):
+        apply_deltas(engine.step())
+    print(json.dumps([name, len(built() - before)]))
+# A fused kernel no one built before: the listing sees what MLX builds.
+before = built()
+import mlx.core as mx
+mx.eval(mx.compile(lambda a: mx.sin(a) * mx.cos(a) + a * 0.25)(mx.arange(8.0)))
+print(json.dumps(["a new kernel", len(built() - before)]))
+"""
+
+
+def test_chat_rows_joining_a_sweeps_batch_build_no_kernel_after_the_warm_up(tiny_model, tmp_path):
+    """A chat row beside a sweep's greedy rows is drawn apart from their argmax, its first
+    token from its prefill: a layout of MLX's fused kernels of its own, built the first
+    time it is met (on a GPU seconds, every row of the batch waiting). The warm-up meets
+    each kind, alone and two at once (a kernel it never met shows in the listing)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = tmp_path / "beside.py"
+    script.write_text(BESIDE_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_model)],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    built = dict(json.loads(line) for line in out.stdout.splitlines() if line.startswith("["))
+    assert built.pop("a new kernel") > 0
+    assert built == dict.fromkeys(
+        ("seeded", "two seeded", "plain", "two plain", "seeded and plain", "top_p"), 0
+    )

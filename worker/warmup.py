@@ -12,6 +12,13 @@ that ride. Then every count goes back to zero and the prompt cache is emptied, s
 info`` counts jobs only. Greedy and seeded rows' tokens are the same with and without it;
 unseeded rows draw from MLX's global generator, which it has moved on.
 
+Then chat rows join a running batch of greedy rows, as they join a sweep's (:data:`BESIDE`):
+there they are drawn apart from the batch's argmax, their first token from their prefill,
+and each kind of row alone or two at once is a layout of its own, whatever the batch's
+size. Unmet, each one cost a GPU's first batch to meet it a kernel build: on an H200 (0.5B
+shape, a sweep of 64 rows) one decode turn took 3.6 s at the first chat job beside the
+sweep and another 3.0 s at the first two at once, every row of the batch waiting.
+
 Where prefills are padded to bucketed shapes (``--prefill-buckets``, on with MLX on CUDA),
 it also runs a prefill pass of each shape a job is likely to meet: one row at every
 bucketed width up to :data:`ONE_ROW_WIDTH` tokens (a chat job's prompt) and a full batch
@@ -49,21 +56,38 @@ ROUNDS: tuple[tuple[tuple[SamplingParams, ...], bool], ...] = (
 )
 
 
+_TEMPERATURE = SamplingParams(temperature=0.7)
+_TEMPERATURE_SEEDED = SamplingParams(temperature=0.7, seed=11)
+_TOP_P_SEEDED = SamplingParams(temperature=0.7, top_p=0.9, seed=12)
+#: Chat rows joining a running batch of greedy rows, in turn: each kind alone, then two at
+#: once (temperature only and with top_p, seeded and not, and a seeded row beside one
+#: that is not).
+BESIDE: tuple[tuple[SamplingParams, ...], ...] = (
+    (_TEMPERATURE_SEEDED,),
+    (_TEMPERATURE_SEEDED, _TEMPERATURE_SEEDED),
+    (_TEMPERATURE,),
+    (_TEMPERATURE, _TEMPERATURE),
+    (_TEMPERATURE_SEEDED, _TEMPERATURE),
+    (_TOP_P,),
+    (_TOP_P, _TOP_P),
+    (_TOP_P_SEEDED,),
+    (_TOP_P_SEEDED, _TOP_P_SEEDED),
+)
+#: The greedy rows they join (at most; ``max_batch`` less two where that is fewer).
+BESIDE_GREEDY = 4
+
+
 def warm_up(engine: Any) -> float:
-    """Run :data:`ROUNDS` through ``engine`` (idle: no job in it yet), then zero its counts
-    and empty its prompt cache. Returns the seconds it took."""
+    """Run :data:`ROUNDS` through ``engine`` (idle: no job in it yet), then :data:`BESIDE`,
+    then zero its counts and empty its prompt cache. Returns the seconds it took."""
     if engine.active:
         raise RuntimeError("warm_up: the engine has rows already")
     start = time.perf_counter()
     text = "The quick brown fox jumps over the lazy dog, and then it runs away. "
     for r, (kinds, ride) in enumerate(ROUNDS):
-        jobs = []
-        for i, sampling in enumerate(kinds):
-            req = GenerationRequest(prompt=text * (1 + i % 2), max_tokens=TOKENS, sampling=sampling)
-            job = Job(f"warm-up-{r}-{i}", req, engine.encode(req))
-            job.start("warm-up")
-            jobs.append(job)
+        jobs = [_job(engine, f"{r}-{i}", s, text * (1 + i % 2)) for i, s in enumerate(kinds)]
         _run(engine, jobs, ride)
+    beside = _beside(engine, text)
     shapes = 0
     if engine.prefill_buckets:
         shapes = warm_shapes(engine, engine.encode(GenerationRequest(prompt=text * 8)))
@@ -73,7 +97,7 @@ def warm_up(engine: Any) -> float:
     took = time.perf_counter() - start
     log.info(
         "warm-up: %d rows, %d prefill shapes in %.0f ms",
-        sum(len(k) for k, _ in ROUNDS),
+        sum(len(k) for k, _ in ROUNDS) + beside,
         shapes,
         took * 1000,
     )
@@ -120,6 +144,34 @@ def warm_shapes(engine: Any, ids: list[int]) -> int:
         _run(engine, jobs, ride=ride)
         ran += 1
     return ran
+
+
+def _job(
+    engine: Any, name: str, sampling: SamplingParams, prompt: str, tokens: int = TOKENS
+) -> Job:
+    req = GenerationRequest(prompt=prompt, max_tokens=tokens, sampling=sampling)
+    job = Job(f"warm-up-{name}", req, engine.encode(req))
+    job.start("warm-up")
+    return job
+
+
+def _beside(engine: Any, text: str) -> int:
+    """Greedy rows started as a sweep's refill (they ride), then :data:`BESIDE`'s rows
+    joining them as chat jobs do, one round after another while they decode. Returns the
+    rows it ran (none where the batch has no room for two greedy rows and two more)."""
+    greedy: int = min(BESIDE_GREEDY, engine.max_batch - 2)
+    if greedy < 2:  # two sampled rows beside fewer are not drawn apart
+        return 0
+    steps = TOKENS + 1  # a chat row's first token from its prefill, then its steps
+    long = len(BESIDE) * steps + 2
+    engine.add([_job(engine, f"greedy-{i}", _GREEDY, text, long) for i in range(greedy)], ride=True)
+    for r, kinds in enumerate(BESIDE):
+        engine.add([_job(engine, f"beside-{r}-{i}", s, text) for i, s in enumerate(kinds)])
+        for _ in range(steps):
+            engine.step()
+    while engine.active:
+        engine.step()
+    return greedy + sum(len(k) for k in BESIDE)
 
 
 def _run(engine: Any, jobs: list[Job], ride: bool) -> None:
