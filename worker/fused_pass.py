@@ -20,10 +20,11 @@ model, or one whose fused logits do not agree with its own calls' on a check at 
 The head in parts. MLX's CUDA backend multiplies a 4-bit matrix by up to 64 rows in one
 tile of rows (``qmm_sm80``: 16, 32 or 64 rows a tile, by the rows' next power of two), so
 a 65th row doubles the tiles, and the head's product over a 152k vocabulary is hundreds
-of tiles: a sweep's 64 rows with a chat row beside them paid about a whole head more each
-step (an H200, 0.5B shape: a decode step of 65 rows took 6.14 ms at p50 against 5.34 for
-64). There the head runs over full tiles of :data:`HEAD_ROWS` rows and the few rows past
-them apart, which MLX multiplies row by row (``qmv``, under 8 rows).
+of tiles (on an H200, 0.5B shape, a sweep's decode step of 65 rows took 6.14 ms at p50
+against 5.34 for 64; how much of that is the tiles is not yet timed apart:
+``ops/bench_step_mix.py --pipelined``). There the head runs over full tiles of
+:data:`HEAD_ROWS` rows and the few rows past them apart, which MLX multiplies row by row
+(``qmv``, under 8 rows).
 """
 
 from __future__ import annotations
