@@ -31,6 +31,7 @@ from mlxq.worker.generator import Generator
 from mlxq.worker.grammars import Grammars
 from mlxq.worker.jobs import Job
 from mlxq.worker.logprob_entries import LogprobEntries
+from mlxq.worker.mlx_settings import on_cuda
 from mlxq.worker.model_head import model_head
 from mlxq.worker.prompt_cache import PromptCache, default_budget
 from mlxq.worker.rows import Delta, Row, RowStatus, fit_paused_kv, kv_nbytes
@@ -113,7 +114,7 @@ class Engine:
         self.counters = StepCounters()
         #: Whether MLX runs this model on CUDA (where defaults that weigh a pass's cost
         #: differ: ``prefill_buckets``, the scheduler's ``admit_hold_steps``).
-        self.on_cuda = _on_cuda()
+        self.on_cuda = on_cuda()
         if prefill_buckets is None:
             prefill_buckets = self.on_cuda
         self.prefill_buckets = prefill_buckets
@@ -461,10 +462,3 @@ class Engine:
             self.sampler.drop(row.uid)
         row.status = RowStatus.FINISHED
         row.kv = row.kv_tokens = None
-
-
-def _on_cuda() -> bool:
-    import mlx.core as mx
-
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)

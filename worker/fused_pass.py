@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from mlxq.worker.mlx_settings import on_cuda
 from mlxq.worker.model_head import close, head_of
 
 log = logging.getLogger(__name__)
@@ -188,9 +189,7 @@ def head_rows() -> int:
         if given.strip().isdigit():
             return int(given)
         log.warning("%s=%r: not a count of rows; the default holds", HEAD_ROWS_ENV, given)
-    cuda = getattr(mx, "cuda", None)
-    on_cuda = cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu
-    return HEAD_ROWS if on_cuda else 0
+    return HEAD_ROWS if on_cuda() else 0
 
 
 def _agrees(model: Any, fused: FusedPass) -> bool:

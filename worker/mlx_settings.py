@@ -38,3 +38,12 @@ def log_given(given: dict[str, str]) -> None:
     (each refusal is one line)."""
     for k, v in given.items():
         log.info("mlx: %s=%s (the worker's default; set it to choose)", k, v)
+
+
+def on_cuda() -> bool:
+    """Whether MLX runs on its CUDA backend here (where defaults that weigh a pass's cost
+    differ)."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)
