@@ -62,12 +62,15 @@ def read(path: str | Path, start: float | None = None, end: float | None = None)
 def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     """Per stage (a pass of a shape new to the worker apart): passes, total, mean, p50,
     p99 and most milliseconds; prefill passes of one row and of several; decode steps of
-    greedy rows only and with sampled rows, and by whether rows joined or left the batch
-    just before them; then the slowest prefill passes."""
+    greedy rows only and with sampled rows, their parts (traced ``"part"`` lines) by the
+    same split, and by whether rows joined or left the batch just before them; then the
+    slowest prefill passes."""
     tallies: dict[str, Tally] = {}
     prefills: list[dict[str, Any]] = []
     for line in lines:
         stage = line["stage"]
+        if line.get("part"):  # inside its decode step's line: tallied with it below
+            continue
         if stage == "prefill" and "rows" in line:
             prefills.append(line)
         if line.get("new"):  # the worker's first pass of this shape
@@ -91,8 +94,8 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     if steps:  # what sampled rows (an interactive job's) cost a greedy batch's step
         rows.append(Tally([x["ms"] for x in steps if not x["sampled"]]).line("decode, all greedy"))
         rows.append(Tally([x["ms"] for x in steps if x["sampled"]]).line("decode, some sampled"))
-    for name, tally in _by_row_change(lines).items():
-        rows.append(tally.line(f"decode, {name}"))
+    split = _parts(lines) | {f"decode, {k}": t for k, t in _by_row_change(lines).items()}
+    rows += [tally.line(name) for name, tally in split.items()]
     if slowest and prefills:
         rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
         for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:
@@ -100,6 +103,27 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
                 f"  {p['rows']} x {p['width']}, {p['keys']}, {bool(p.get('new'))}, {p['ms']:.1f}"
             )
     return "\n".join(rows)
+
+
+def _parts(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
+    """Decode steps' parts (the model pass's graph, the sampler's, the launch, the wait for
+    the last step: host work or the device's) by whether the step had sampled rows. A part
+    ends before its step's line."""
+    out: dict[str, Tally] = {}
+    pending: list[dict[str, Any]] = []
+    for x in lines:
+        if x.get("part"):
+            pending.append(x)
+        elif x["stage"] in ("decode", "first_token"):
+            if x["stage"] == "decode" and "sampled" in x and not x.get("new"):
+                kind = "some sampled" if x["sampled"] else "all greedy"
+                for p in pending:
+                    tally = out.setdefault(f"  {kind}: {p['stage']}", Tally())
+                    tally.ms.append(p["ms"])
+                    if "wait_ms" in p:
+                        tally.wait.append(p["wait_ms"])
+            pending = []
+    return dict(sorted(out.items()))
 
 
 def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:

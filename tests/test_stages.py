@@ -116,6 +116,46 @@ def test_a_synced_trace_writes_each_stages_wait_for_the_device(clock, tmp_path):
     assert (line["ms"], line["wait_ms"], len(waits)) == (13.0, 3.0, 1)
 
 
+def test_a_steps_parts_go_to_the_trace_inside_its_time_and_nowhere_untraced(clock, tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import summary
+
+    untraced = Stages()
+    with untraced.on("decode"), untraced.part("graph"):
+        clock.now += 0.004
+    assert untraced.snapshot() == {"decode": 4.0}
+
+    def sync() -> None:  # the device: busy 1 ms past each part's host work
+        clock.now += 0.001
+
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        s = Stages(f, sync)
+        for sampled, graph_ms in ((0, 0.004), (1, 0.006)):
+            with s.on("decode"):
+                s.note(rows=64, new=False, sampled=sampled)
+                with s.part("graph"):
+                    clock.now += graph_ms
+                with s.part("wait"):
+                    clock.now += 0.002
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["stage"], x["ms"], x.get("part")) for x in lines[:3]] == [
+        ("graph", 5.0, True),
+        ("wait", 3.0, True),
+        ("decode", 9.0, None),  # whole: its parts stay its own time (and its sync: 1 ms)
+    ]
+    assert s.snapshot() == {"decode": 20.0}
+    table = {r[:28].strip(): r.split() for r in summary(lines).splitlines()}
+    # the parts by whether their step sampled, with the device's share of each
+    assert table["all greedy: graph"][-7:] == ["1", "5.0", "5.00", "5.00", "5.00", "5.0", "1.0"]
+    assert table["some sampled: graph"][-6] == "7.0"
+    assert "graph" not in table  # not a stage of its own beside decode
+
+
 def test_the_summary_splits_decode_steps_by_whether_rows_sample():
     import sys
     from pathlib import Path
@@ -185,6 +225,9 @@ def test_a_worker_stopped_leaves_its_whole_trace(
     assert w.proc.wait(60) == 0
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert sum(x["stage"] == "decode" for x in lines) >= 3, lines
+    # a decode step's parts: the host's work (graph, sample, launch) and the wait
+    parts = {x["stage"] for x in lines if x.get("part")}
+    assert {"graph", "sample", "launch", "wait"} <= parts, parts
 
 
 def test_since_gives_each_stage_grown_the_longest_first(clock):

@@ -254,14 +254,17 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         # (on an H100 the step after a chat row joined or left took ~6 ms more); scheduled
         # on their own, it waits for the last step only. Once evaluated, this is a no-op.
         mx.async_eval(inputs)
+        part = self.counters.stages.part  # the trace's detail: host or device (stages.py)
         if self._first_logits is not None:  # the prefill fed the inputs: their pass ran
             logits, self._first_logits = self._first_logits, None
         elif self._given_logits is not None:
             logits, self._given_logits = self._given_logits, None
         elif self._fused is not None:
-            logits = self._fused.decode(inputs, self.prompt_cache)
+            with part("graph"):
+                logits = self._fused.decode(inputs, self.prompt_cache)
         else:
-            logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+            with part("graph"):
+                logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         grammar = sampler.grammar_rows
         if grammar is not None:
             # The forward pass runs while the host reads the fed tokens and fills masks.
@@ -275,8 +278,9 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             logits = apply(logits, self._history_for(sampler, inputs), rows)
         if grammar is not None:
             logits = apply_bitmask(logits, bitmask, grammar.lines)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = sampler(logprobs)
+        with part("sample"):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = sampler(logprobs)
         pending: list[mx.array] = []
         lp_rows = sampler.logprob_rows
         if lp_rows is not None:
@@ -290,9 +294,11 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             self._history = self._history.append(sampled)
             pending.append(self._history.tokens)
         self._next_tokens = sampled
-        mx.async_eval(self._next_tokens, *pending)
-        mx.eval(inputs)
-        tokens = cast(list[int], inputs.tolist())
+        with part("launch"):
+            mx.async_eval(self._next_tokens, *pending)
+        with part("wait"):
+            mx.eval(inputs)
+            tokens = cast(list[int], inputs.tolist())
         for sti, ti in zip(self.tokens, tokens, strict=True):
             sti.append(ti)
         return tokens, [None if h is None else h.get() for h in self._current_logprobs]

@@ -15,7 +15,11 @@ benchmark reads which passes were slow, not only which stage grew. Off by defaul
 ``MLXQ_TRACE_SYNC=1`` beside it waits for the device at the end of every stage and
 writes that wait as ``wait_ms`` (part of ``ms``): each pass's own device time, where MLX
 would have overlapped it with the host's next stage (so the run is slower; for
-attribution only).
+attribution only). While tracing, a decode step's parts are written too, each
+as it ends (:meth:`Stages.part`: the model pass's graph, the sampler's, the launch of its
+kernels and the wait for the last step's tokens, ``"part": true``, inside their stage's
+time, not taken from it), so a trace says whether a slower step was the host's work or
+the device's; untraced they are not timed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import IO, Any
 
 #: The environment variable naming a file each ended stage is written to.
@@ -99,6 +103,26 @@ class Stages:
             if self._trace is not None:
                 line = {"t": round(start, 6), "stage": stage, "ms": round(own, 3)}
                 self._trace.write(json.dumps(line | self._notes.pop()) + "\n")
+
+    def part(self, name: str) -> AbstractContextManager[None]:
+        """A part of the open stage, written to the trace as it ends; nothing untraced.
+        Its time stays the stage's own (``busy_ms`` and the stage's line are whole)."""
+        return self._part(name) if self._trace is not None else nullcontext()
+
+    @contextmanager
+    def _part(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            line: dict[str, Any] = {"t": round(start, 6), "stage": name, "part": True}
+            if self._sync is not None:
+                waited = time.perf_counter()
+                self._sync()
+                line["wait_ms"] = round(1000 * (time.perf_counter() - waited), 3)
+            line["ms"] = round(1000 * (time.perf_counter() - start), 3)
+            if self._trace is not None:
+                self._trace.write(json.dumps(line) + "\n")
 
     def since(self, before: dict[str, float]) -> dict[str, float]:
         """Each stage's milliseconds since ``before`` (a copy of :attr:`ms`), the longest
