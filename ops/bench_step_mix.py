@@ -118,11 +118,31 @@ def run_pipelined(
 
 #: (rows, sampled rows, the head's rows in parts: mlxq.worker.fused_pass.HEAD_ROWS) for
 #: steps in sequence: a 65th row with the head in one product and in parts, a sampled row
-#: inside 64 and beside it, wider batches; the plain 64 again last, for drift.
+#: inside 64 and beside it, wider batches. Run in rounds (``--rounds``), every variant
+#: once a round: a card's pace drifts over one process (an H100: the plain 64 rows from
+#: 5.39 to 6.62 ms over one pass of the list), rounds put each variant on every stretch.
 PIPELINED = [
     (64, 0, 0), (65, 0, 0), (65, 0, 64), (65, 1, 0), (65, 1, 64), (64, 1, 0), (62, 0, 0),
-    (63, 1, 0), (66, 2, 0), (66, 2, 64), (72, 0, 0), (96, 0, 0), (128, 0, 0), (64, 0, 0),
+    (63, 1, 0), (66, 2, 0), (66, 2, 64), (72, 0, 0), (96, 0, 0), (128, 0, 0),
 ]  # fmt: skip
+
+
+def pipelined(model: Any, steps: int, rounds: int) -> None:
+    """:data:`PIPELINED`'s variants, every one once a round; each variant's median over
+    the rounds, its figure each round, and its difference from the plain 64 rows' in the
+    same round (the median of those)."""
+    got: dict[tuple[int, int, int], list[float]] = {v: [] for v in PIPELINED}
+    for _ in range(rounds):
+        for v in PIPELINED:
+            got[v].append(run_pipelined(model, *v, prompt=40, steps=steps))
+    base = got[PIPELINED[0]]
+    print("steps in sequence: rows sampled head-parts  ms/step (median of rounds)  "
+          "over 64 rows (median)  each round")  # fmt: skip
+    for (rows, sampled, parts), ms in got.items():
+        over = statistics.median(m - b for m, b in zip(ms, base, strict=True))
+        each = " ".join(f"{m:.2f}" for m in ms)
+        mid = statistics.median(ms)
+        print(f"{rows:4d} {sampled:7d} {parts:10d}  {mid:7.2f}  {over:+7.2f}  {each}")
 
 
 def sampler_only(rows: int, sampled: int, kind: str, vocab: int, steps: int) -> float:
@@ -180,6 +200,9 @@ def main() -> None:
         action="store_true",
         help="whole steps in sequence, each queued before the last is read (as the worker)",
     )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="--pipelined: every variant once a round (3)"
+    )
     ap.add_argument("--vocab", type=int, help="the sampler's vocabulary (default: the model's)")
     ap.add_argument("--sampler-steps", type=int, help="calls timed a variant (default: --steps)")
     args = ap.parse_args()
@@ -189,10 +212,7 @@ def main() -> None:
         return
     model = build(args.shape, args.bits)
     if args.pipelined:
-        print("steps in sequence: rows sampled head-parts  ms/step (median)")
-        for rows, sampled, parts in PIPELINED:
-            ms = run_pipelined(model, rows, sampled, parts, 40, args.steps)
-            print(f"{rows:4d} {sampled:7d} {parts:10d}  {ms:7.2f}")
+        pipelined(model, args.steps, args.rounds)
         return
     print("rows sampled seeded prompt  ms/step (median)")
     for rows, sampled, seeded, prompt in WHOLE:

@@ -170,7 +170,8 @@ step)
     log "bench_step_mix"
     step_args=()
     [ "$small" = 1 ] && step_args=(--steps 3)
-    # STEP_ARGS="--pipelined --steps 200": steps in sequence, as the worker runs them.
+    # STEP_ARGS="--pipelined --steps 200 --rounds 3": steps in sequence, as the worker runs
+    # them, every variant once a round (a card drifts over one process).
     "$PY" ops/bench_step_mix.py --shape "$SHAPE" "${step_args[@]}" ${STEP_ARGS:-} 2>&1 |
         tee "$OUT/step-mix${TAG:+-$TAG}.log"
     ;;

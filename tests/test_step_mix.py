@@ -25,6 +25,22 @@ def test_each_variant_and_the_sampler_alone_are_timed():
     assert {int(line.split()[0]) for line in steps + alone} == {4, 5, 6}, done.stdout
 
 
+def test_steps_in_sequence_time_every_variant_once_a_round():
+    argv = [sys.executable, str(OPS / "bench_step_mix.py"), "--shape", "tiny", "--steps", "2"]
+    done = subprocess.run(
+        [*argv, "--pipelined", "--rounds", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("steps in sequence"), done.stdout
+    rows = [line.split() for line in lines[1:]]
+    assert len(rows) == 13, done.stdout
+    # rows, sampled, head parts, the median, its lead over the plain 64 rows, two rounds
+    assert all(len(r) == 7 and all(float(x) > 0 for x in r[-2:]) for r in rows), done.stdout
+    assert rows[0][:3] == ["64", "0", "0"] and float(rows[0][4]) == 0, rows[0]
+    assert {int(r[0]) for r in rows} == {62, 63, 64, 65, 66, 72, 96, 128}, done.stdout
+
+
 def test_the_sampler_alone_at_a_vocabulary_given():
     argv = [sys.executable, str(OPS / "bench_step_mix.py"), "--sampler-only", "--vocab", "64"]
     done = subprocess.run([*argv, "--steps", "3"], capture_output=True, text=True, timeout=120)
