@@ -35,6 +35,8 @@ from typing import IO, Any
 TRACE_ENV = "MLXQ_TRACE_STAGES"
 #: The environment variable that makes each traced stage wait for the device as it ends.
 SYNC_ENV = "MLXQ_TRACE_SYNC"
+#: What :meth:`Stages.part` gives untraced (``nullcontext`` holds nothing: reusable).
+_UNTIMED: AbstractContextManager[None] = nullcontext()
 
 
 class Stages:
@@ -91,9 +93,7 @@ class Stages:
             yield
         finally:
             if self._sync is not None:
-                waited = time.perf_counter()
-                self._sync()
-                self._notes[-1]["wait_ms"] = round(1000 * (time.perf_counter() - waited), 3)
+                self._notes[-1]["wait_ms"] = self._wait_ms(self._sync)
             took = time.perf_counter() - start
             inner = self._inner.pop()
             if self._inner:
@@ -104,10 +104,18 @@ class Stages:
                 line = {"t": round(start, 6), "stage": stage, "ms": round(own, 3)}
                 self._trace.write(json.dumps(line | self._notes.pop()) + "\n")
 
+    @staticmethod
+    def _wait_ms(sync: Callable[[], None]) -> float:
+        """Wait for the device; how long that took (ms)."""
+        waited = time.perf_counter()
+        sync()
+        return round(1000 * (time.perf_counter() - waited), 3)
+
     def part(self, name: str) -> AbstractContextManager[None]:
-        """A part of the open stage, written to the trace as it ends; nothing untraced.
-        Its time stays the stage's own (``busy_ms`` and the stage's line are whole)."""
-        return self._part(name) if self._trace is not None else nullcontext()
+        """A part of the open stage, written to the trace as it ends; nothing untraced
+        (one shared no-op: a decode step enters four). Its time stays the stage's own
+        (``busy_ms`` and the stage's line are whole)."""
+        return self._part(name) if self._trace is not None else _UNTIMED
 
     @contextmanager
     def _part(self, name: str) -> Iterator[None]:
@@ -117,9 +125,7 @@ class Stages:
         finally:
             line: dict[str, Any] = {"t": round(start, 6), "stage": name, "part": True}
             if self._sync is not None:
-                waited = time.perf_counter()
-                self._sync()
-                line["wait_ms"] = round(1000 * (time.perf_counter() - waited), 3)
+                line["wait_ms"] = self._wait_ms(self._sync)
             line["ms"] = round(1000 * (time.perf_counter() - start), 3)
             if self._trace is not None:
                 self._trace.write(json.dumps(line) + "\n")
