@@ -639,6 +639,7 @@ class Turn:
     chat: int
     seconds: float
     at: float = 0.0  # wall clock at the guard's end (beside the card's clocks, h200.sh)
+    clock: float = 0.0  # perf_counter at the guard's end: the worker's trace's clock
 
     @property
     def rate(self) -> float:
@@ -647,18 +648,18 @@ class Turn:
 
 def turns_part(
     args: argparse.Namespace, url: str, work: Path, tag: str
-) -> tuple[list[Turn], list[Followed]]:
+) -> tuple[list[Turn], list[Followed], str | None]:
     """One worker, one sweep kept running, and windows of ``--turn-s`` with interactive
     jobs and without them in turn (off first and last, so each "on" window has an "off"
     one each side): the sweep alone and beside interactive jobs seconds apart, on a card
-    whose pace drifts from one run to the next."""
+    whose pace drifts from one run to the next. Also the worker's trace (``--trace``)."""
     print(
         f"turns: one sweep, {args.turn_s:g} s windows without and with interactive jobs "
         f"in turn ({args.turns} with), the first {args.guard_s:g} s of each left out"
     )
     served = Served(args, url, [f"chat-{tag}", f"sweeps-{tag}"], work)
     try:
-        return asyncio.run(_turns(served, args))
+        return (*asyncio.run(_turns(served, args)), served.trace)
     finally:
         served.close()
 
@@ -691,6 +692,7 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
                 int(queue_tokens(m1, chat_q) - queue_tokens(m0, chat_q)),
                 t1 - t0,
                 at,
+                t0,
             )
             turns.append(turn)
             spill = "" if on or not turn.chat else " (past the guard: a longer --guard-s)"
@@ -1120,6 +1122,20 @@ def pair_phases(
     return pairs
 
 
+def print_traces(phases: dict[str, Phase], turns: Sequence[Turn], turns_trace: str | None) -> None:
+    """Each traced phase's decode-thread passes; for turns, the on windows' and the off
+    windows' apart (one worker throughout, so the difference is the interactive jobs')."""
+    for ph in phases.values():
+        if ph.trace and ph.span:
+            print(f"\n{ph.name}: the decode thread's passes, ms (--trace {ph.trace})")
+            print(trace_summary(read_trace(ph.trace, *ph.span), slowest=8))
+    if turns_trace and turns:
+        for on in (False, True):
+            spans = [(t.clock, t.clock + t.seconds) for t in turns if t.on == on]
+            print(f"\nturns, the {'on' if on else 'off'} windows' passes, ms ({turns_trace})")
+            print(trace_summary([x for s in spans for x in read_trace(turns_trace, *s)]))
+
+
 def run(args: argparse.Namespace, url: str, work: Path) -> int:
     tag = uuid.uuid4().hex[:6]
     phases = mix_phases(args, url, work, tag)
@@ -1135,7 +1151,9 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
     if "fifo" in args.parts:
         (phases["fifo"],) = on_worker(args, url, work, [f"fifo-{tag}"], ["fifo"])
     pairs = pair_phases(args, url, work, tag) if "pairs" in args.parts else []
-    turns, turn_probes = turns_part(args, url, work, tag) if "turns" in args.parts else ([], [])
+    turns, turn_probes, turns_trace = (
+        turns_part(args, url, work, tag) if "turns" in args.parts else ([], [], None)
+    )
     alone = phases["alone"].sweep if "alone" in phases else None
     if alone is not None and not alone.texts:
         alone = None  # read from a baseline: its texts were not kept
@@ -1147,10 +1165,7 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
     if phases:
         print("\n" + table(phases, args))
         print("\n" + stage_table(phases))
-    for ph in phases.values():
-        if ph.trace and ph.span:
-            print(f"\n{ph.name}: the decode thread's passes, ms (--trace {ph.trace})")
-            print(trace_summary(read_trace(ph.trace, *ph.span), slowest=8))
+    print_traces(phases, turns, turns_trace)
     print()
     met = targets(phases, windows, int(wa) / int(wb), pairs) + turns_target(turns, turn_probes)
     for what, figure, ok in met:
