@@ -31,7 +31,8 @@ if [ "$part" = prepare ]; then
     # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
     # mlxq's own: llguidance 1.9.1 is built for manylinux_2_31, a tag prepare.sh does not
     # ask for, so it and what the worker and the benchmarks import come here (with
-    # httptools and uvloop, the serve extra's uvicorn[standard]).
+    # httptools and uvloop, the serve extra's uvicorn[standard], and hiredis, the worker's and
+    # the gateway's Redis parser).
     bash ../shared/gpu/prepare.sh fastapi starlette pydantic pydantic-core uvicorn \
         annotated-types typing-inspection opentelemetry-api typing_extensions openai httpx2 \
         httpcore2 anyio h11 idna truststore jiter distro sniffio
@@ -39,7 +40,7 @@ if [ "$part" = prepare ]; then
         --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform any -d .gpu/2/whl llguidance==1.9.1 tqdm \
         rich markdown-it-py mdurl pygments prometheus-client jsonschema \
-        jsonschema-specifications referencing rpds-py attrs httptools uvloop
+        jsonschema-specifications referencing rpds-py attrs httptools uvloop hiredis
     du -sh .gpu/1 .gpu/2  # each must stay under the 64 MiB a device call carries
     exit 0
 fi
