@@ -1130,10 +1130,12 @@ def print_traces(phases: dict[str, Phase], turns: Sequence[Turn], turns_trace: s
             print(f"\n{ph.name}: the decode thread's passes, ms (--trace {ph.trace})")
             print(trace_summary(read_trace(ph.trace, *ph.span), slowest=8))
     if turns_trace and turns:
+        lines = read_trace(turns_trace)  # once: every window is a span of the one file
         for on in (False, True):
             spans = [(t.clock, t.clock + t.seconds) for t in turns if t.on == on]
             print(f"\nturns, the {'on' if on else 'off'} windows' passes, ms ({turns_trace})")
-            print(trace_summary([x for s in spans for x in read_trace(turns_trace, *s)]))
+            inside = [x for x in lines if any(a <= x.get("t", 0.0) <= b for a, b in spans)]
+            print(trace_summary(inside))
 
 
 def run(args: argparse.Namespace, url: str, work: Path) -> int:
