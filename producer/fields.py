@@ -129,19 +129,28 @@ def _through(convert: Convert | None, value: Any) -> Any:
     return value if convert is None else convert(value)
 
 
+@cache
+def _layout(cls: type) -> tuple[tuple[str, _Group | None, tuple[str, ...], bool], ...]:
+    """``cls``'s fields as :func:`assemble` walks them: each field's name, its group (or
+    None), the group's field names, and whether the field is an option of its own."""
+    out = []
+    for f in dataclasses.fields(cls):
+        g = f.metadata.get(_GROUP)
+        inner = tuple(x.name for x in dataclasses.fields(g.of)) if g is not None else ()
+        out.append((f.name, g, inner, _OPTION in f.metadata))
+    return tuple(out)
+
+
 def assemble(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
     """A ``cls`` from option values (absent ones take their defaults) and ``fixed``
     fields; each group is built before the request's own checks run."""
     kw = dict(fixed)
-    for f in dataclasses.fields(cls):
-        if _GROUP in f.metadata:
-            g = f.metadata[_GROUP]
-            names = [x.name for x in dataclasses.fields(g.of)]
-            if _OPTION in f.metadata and f.name in values:
-                names.append(f.name)
-            kw[f.name] = g.build(**{n: values[n] for n in names if n in values})
-        elif _OPTION in f.metadata and f.name in values:
-            kw[f.name] = values[f.name]
+    for name, g, inner, option in _layout(cls):
+        if g is not None:
+            names = [*inner, name] if option and name in values else inner
+            kw[name] = g.build(**{n: values[n] for n in names if n in values})
+        elif option and name in values:
+            kw[name] = values[name]
     return cls(**kw)
 
 
