@@ -127,17 +127,22 @@ PIPELINED = [
 ]  # fmt: skip
 
 
-def pipelined(model: Any, steps: int, rounds: int) -> None:
+def pipelined(model: Any, steps: int, rounds: int, base_rows: int = 64) -> None:
     """:data:`PIPELINED`'s variants, every one once a round; each variant's median over
-    the rounds, its figure each round, and its difference from the plain 64 rows' in the
-    same round (the median of those)."""
-    got: dict[tuple[int, int, int], list[float]] = {v: [] for v in PIPELINED}
+    the rounds, its figure each round, and its difference from the plain ``base_rows``
+    rows' in the same round (the median of those). Rows and the head's split move with
+    ``base_rows`` (``--rows``), as the whole steps' do."""
+    shift = base_rows - 64
+    variants = [(r + shift, s, p + shift if p else 0) for r, s, p in PIPELINED]
+    got: dict[tuple[int, int, int], list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
-        for v in PIPELINED:
+        for v in variants:
             got[v].append(run_pipelined(model, *v, prompt=40, steps=steps))
-    base = got[PIPELINED[0]]
-    print("steps in sequence: rows sampled head-parts  ms/step (median of rounds)  "
-          "over 64 rows (median)  each round")  # fmt: skip
+    base = got[variants[0]]
+    print(
+        "steps in sequence: rows sampled head-parts  ms/step (median of rounds)  "
+        f"over {base_rows} rows (median)  each round"
+    )
     for (rows, sampled, parts), ms in got.items():
         over = statistics.median(m - b for m, b in zip(ms, base, strict=True))
         each = " ".join(f"{m:.2f}" for m in ms)
@@ -212,7 +217,7 @@ def main() -> None:
         return
     model = build(args.shape, args.bits)
     if args.pipelined:
-        pipelined(model, args.steps, args.rounds)
+        pipelined(model, args.steps, args.rounds, args.rows)
         return
     print("rows sampled seeded prompt  ms/step (median)")
     for rows, sampled, seeded, prompt in WHOLE:

@@ -28,7 +28,10 @@ def test_each_variant_and_the_sampler_alone_are_timed():
 def test_steps_in_sequence_time_every_variant_once_a_round():
     argv = [sys.executable, str(OPS / "bench_step_mix.py"), "--shape", "tiny", "--steps", "2"]
     done = subprocess.run(
-        [*argv, "--pipelined", "--rounds", "2"], capture_output=True, text=True, timeout=300
+        [*argv, "--pipelined", "--rounds", "2", "--rows", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -37,8 +40,10 @@ def test_steps_in_sequence_time_every_variant_once_a_round():
     assert len(rows) == 13, done.stdout
     # rows, sampled, head parts, the median, its lead over the plain 64 rows, two rounds
     assert all(len(r) == 7 and all(float(x) > 0 for x in r[-2:]) for r in rows), done.stdout
-    assert rows[0][:3] == ["64", "0", "0"] and float(rows[0][4]) == 0, rows[0]
-    assert {int(r[0]) for r in rows} == {62, 63, 64, 65, 66, 72, 96, 128}, done.stdout
+    # --rows 4: every variant's rows and the head's split move by 4 - 64.
+    assert rows[0][:3] == ["4", "0", "0"] and float(rows[0][4]) == 0, rows[0]
+    assert {int(r[0]) for r in rows} == {2, 3, 4, 5, 6, 12, 36, 68}, done.stdout
+    assert {int(r[2]) for r in rows} == {0, 4}, done.stdout
 
 
 def test_the_sampler_alone_at_a_vocabulary_given():
