@@ -81,6 +81,7 @@ import redis.asyncio as aioredis
 from procs import MLXQ, commit, free_port, records, start_redis, start_worker, stop, version
 from prometheus_client.parser import text_string_to_metric_families
 from rq import Queue
+from stage_trace import budget as trace_budget
 from stage_trace import read as read_trace
 from stage_trace import summary as trace_summary
 from words import WORDS
@@ -1131,11 +1132,15 @@ def print_traces(phases: dict[str, Phase], turns: Sequence[Turn], turns_trace: s
             print(trace_summary(read_trace(ph.trace, *ph.span), slowest=8))
     if turns_trace and turns:
         lines = read_trace(turns_trace)  # once: every window is a span of the one file
+        inside, seconds = {}, {}
         for on in (False, True):
             spans = [(t.clock, t.clock + t.seconds) for t in turns if t.on == on]
             print(f"\nturns, the {'on' if on else 'off'} windows' passes, ms ({turns_trace})")
-            inside = [x for x in lines if any(a <= x.get("t", 0.0) <= b for a, b in spans)]
-            print(trace_summary(inside))
+            inside[on] = [x for x in lines if any(a <= x.get("t", 0.0) <= b for a, b in spans)]
+            seconds[on] = sum(t.seconds for t in turns if t.on == on)
+            print(trace_summary(inside[on]))
+        print("\nturns, where an on window's step went over an off window's")
+        print(trace_budget(inside[False], seconds[False], inside[True], seconds[True]))
 
 
 def run(args: argparse.Namespace, url: str, work: Path) -> int:

@@ -151,6 +151,59 @@ def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
     return out if out["after a join"].ms or out["after a leave"].ms else {}
 
 
+def _kinds(lines: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, list[float]], int]:
+    """Each stage's milliseconds, decode steps split by kind (greedy, sampled, just after
+    rows joined or left or of a new shape) with their own milliseconds, and the steps."""
+    ms: dict[str, float] = {}
+    steps: dict[str, list[float]] = {}
+    changed = False
+    for x in lines:
+        if x.get("part"):
+            continue
+        stage = x["stage"]
+        changed |= stage in ("rows_join", "rows_leave")
+        if stage == "decode":
+            kind = "sampled" if x.get("sampled") else "greedy"
+            kind = "after a row change" if changed or x.get("new") else kind
+            steps.setdefault(kind, []).append(x["ms"])
+            stage, changed = f"decode, {kind}", False
+        elif stage == "prefill" and "rows" in x:
+            stage = "prefill of one row" if x["rows"] == 1 else "prefill of several rows"
+        ms[stage] = ms.get(stage, 0.0) + x["ms"]
+    return ms, steps, sum(len(v) for v in steps.values())
+
+
+def budget(
+    base: Sequence[dict[str, Any]], base_s: float, other: Sequence[dict[str, Any]], other_s: float
+) -> str:
+    """Where a pass of ``other`` (e.g. windows with interactive jobs) went over one of
+    ``base`` (the windows without, same worker): each stage's milliseconds per decode step
+    in both, and the difference; then the decode steps by kind, each kind's mean and what
+    its steps cost over ``base``'s greedy step, per step of ``other``. Spans of
+    ``base_s`` and ``other_s`` seconds."""
+    (ms0, kinds0, n0), (ms1, kinds1, n1) = _kinds(base), _kinds(other)
+    if not n0 or not n1:
+        return "budget: no decode steps in one of the spans"
+    rows = [f"{'per decode step, ms':<34} {'off':>7} {'on':>7} {'on-off':>7}"]
+    for stage in sorted(
+        set(ms0) | set(ms1), key=lambda k: -(ms0.get(k, 0) / n0 + ms1.get(k, 0) / n1)
+    ):
+        a, b = ms0.get(stage, 0.0) / n0, ms1.get(stage, 0.0) / n1
+        if max(a, b) >= 0.005:
+            rows.append(f"{stage:<34} {a:>7.2f} {b:>7.2f} {b - a:>+7.2f}")
+    a, b = 1e3 * base_s / n0, 1e3 * other_s / n1
+    rows.append(f"{'the wall clock':<34} {a:>7.2f} {b:>7.2f} {b - a:>+7.2f}")
+    rows.append(f"steps a second: {n0 / base_s:.1f} off, {n1 / other_s:.1f} on ({a / b:.3f})")
+    greedy = statistics.mean(kinds0.get("greedy") or [0.0])
+    for kind, xs in sorted(kinds1.items()):
+        over = (statistics.mean(xs) - greedy) * len(xs) / n1
+        rows.append(
+            f"  on, {kind}: {len(xs)} steps, mean {statistics.mean(xs):.2f} ms "
+            f"({over:+.2f} ms a step over the off windows' greedy {greedy:.2f})"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("trace", help="a file a worker wrote under MLXQ_TRACE_STAGES")

@@ -261,3 +261,36 @@ def test_a_worker_logs_each_turn_over_its_slow_turn_bound_with_its_stages(
     assert turns, w.output()
     assert any(int(rows) == 1 and "decode" in where for rows, where in turns), turns
     assert all(re.fullmatch(r"\w+ \d+ ms(, \w+ \d+ ms){0,3}", where) for _, where in turns), turns
+
+
+def test_the_budget_says_which_stage_and_which_steps_a_window_with_chat_rows_went_over_by():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import budget
+
+    def step(ms: float, sampled: int = 0) -> dict:
+        return {"t": 0.0, "stage": "decode", "ms": ms, "rows": 64, "new": False, "sampled": sampled}
+
+    off = [step(8.0), {"t": 0.0, "stage": "post", "ms": 1.0}, step(8.0)]
+    on = [
+        step(9.0, sampled=1),
+        {"t": 0.0, "stage": "prefill", "ms": 6.0, "rows": 1, "width": 16, "keys": 16},
+        {"t": 0.0, "stage": "rows_join", "ms": 0.5},
+        step(14.0, sampled=1),
+        {"t": 0.0, "stage": "post", "ms": 2.0},
+        step(8.0),
+    ]
+    lines = budget(off, 0.02, on, 0.045).splitlines()
+    table = {r[:34].strip(): r.split()[-3:] for r in lines}
+    assert table["decode, sampled"] == ["0.00", "3.00", "+3.00"]  # 9 ms over 3 steps
+    assert table["decode, after a row change"] == ["0.00", "4.67", "+4.67"]
+    assert table["decode, greedy"] == ["8.00", "2.67", "-5.33"]
+    assert table["prefill of one row"] == ["0.00", "2.00", "+2.00"]
+    assert table["post"] == ["0.50", "0.67", "+0.17"]
+    assert table["the wall clock"] == ["10.00", "15.00", "+5.00"]
+    assert "steps a second: 100.0 off, 66.7 on (0.667)" in lines
+    # each kind's steps over the off windows' greedy step, per step of the on windows
+    assert "  on, sampled: 1 steps, mean 9.00 ms (+0.33 ms a step over the off" in lines[-1]
+    assert "after a row change: 1 steps, mean 14.00 ms (+2.00 ms" in lines[-3]
