@@ -127,13 +127,20 @@ PIPELINED = [
 ]  # fmt: skip
 
 
-def pipelined(model: Any, steps: int, rounds: int, base_rows: int = 64) -> None:
-    """:data:`PIPELINED`'s variants, every one once a round; each variant's median over
-    the rounds, its figure each round, and its difference from the plain ``base_rows``
-    rows' in the same round (the median of those). Rows and the head's split move with
-    ``base_rows`` (``--rows``), as the whole steps' do."""
+def pipelined(
+    model: Any,
+    steps: int,
+    rounds: int,
+    base_rows: int = 64,
+    only: list[tuple[int, int, int]] | None = None,
+) -> None:
+    """:data:`PIPELINED`'s variants (or ``only``'s, the first the base), every one once a
+    round; each variant's median over the rounds, its figure each round, and its
+    difference from the base's in the same round (the median of those). :data:`PIPELINED`'s
+    rows and head splits move with ``base_rows`` (``--rows``), as the whole steps' do."""
     shift = base_rows - 64
-    variants = [(r + shift, s, p + shift if p else 0) for r, s, p in PIPELINED]
+    variants = only or [(r + shift, s, p + shift if p else 0) for r, s, p in PIPELINED]
+    base_rows = variants[0][0]
     got: dict[tuple[int, int, int], list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
@@ -187,6 +194,21 @@ ALONE = [
 ]
 
 
+def variants_arg(text: str) -> list[tuple[int, int, int]]:
+    """``--variants``: ``ROWS:SAMPLED[:HEAD_PARTS]`` joined by commas."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            rows, sampled, head = (int(x) for x in [*parts, "0"][:3])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: want ROWS:SAMPLED[:HEAD_PARTS]") from None
+        if len(parts) not in (2, 3) or rows < 1 or not 0 <= sampled <= rows or head < 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: want ROWS:SAMPLED[:HEAD_PARTS]")
+        out.append((rows, sampled, head))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="0.5b")
@@ -208,6 +230,12 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=3, help="--pipelined: every variant once a round (3)"
     )
+    ap.add_argument(
+        "--variants",
+        type=variants_arg,
+        help="--pipelined: only these, ROWS:SAMPLED[:HEAD_PARTS] joined by commas, the first "
+        "the base (e.g. 62:0,63:1,64:0,64:1: a chat row's step inside 64, many --rounds)",
+    )
     ap.add_argument("--vocab", type=int, help="the sampler's vocabulary (default: the model's)")
     ap.add_argument("--sampler-steps", type=int, help="calls timed a variant (default: --steps)")
     args = ap.parse_args()
@@ -217,7 +245,7 @@ def main() -> None:
         return
     model = build(args.shape, args.bits)
     if args.pipelined:
-        pipelined(model, args.steps, args.rounds, args.rows)
+        pipelined(model, args.steps, args.rounds, args.rows, args.variants)
         return
     print("rows sampled seeded prompt  ms/step (median)")
     for rows, sampled, seeded, prompt in WHOLE:

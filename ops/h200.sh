@@ -174,7 +174,8 @@ step)
     step_args=()
     [ "$small" = 1 ] && step_args=(--steps 3)
     # STEP_ARGS="--pipelined --steps 200 --rounds 3": steps in sequence, as the worker runs
-    # them, every variant once a round (a card drifts over one process).
+    # them, every variant once a round (a card drifts over one process); with
+    # --variants 62:0,63:1,64:0,64:1 --rounds 12, a chat row's step inside 64 rows only.
     "$PY" ops/bench_step_mix.py --shape "$SHAPE" "${step_args[@]}" ${STEP_ARGS:-} 2>&1 |
         tee "$OUT/step-mix${TAG:+-$TAG}.log"
     ;;

@@ -46,6 +46,20 @@ def test_steps_in_sequence_time_every_variant_once_a_round():
     assert {int(r[2]) for r in rows} == {0, 4}, done.stdout
 
 
+def test_steps_in_sequence_of_the_variants_given_the_first_the_base():
+    argv = [sys.executable, str(OPS / "bench_step_mix.py"), "--shape", "tiny", "--steps", "2"]
+    argv += ["--pipelined", "--rounds", "2", "--variants", "2:0,3:1,4:1:2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "over 2 rows (median)" in lines[0], done.stdout
+    rows = [line.split() for line in lines[1:]]
+    assert [r[:3] for r in rows] == [["2", "0", "0"], ["3", "1", "0"], ["4", "1", "2"]]
+    assert float(rows[0][4]) == 0 and len(rows[0][5:]) == 2, rows[0]
+    bad = subprocess.run([*argv[:-1], "3:4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "'3:4': want ROWS:SAMPLED[:HEAD_PARTS]" in bad.stderr
+
+
 def test_the_sampler_alone_at_a_vocabulary_given():
     argv = [sys.executable, str(OPS / "bench_step_mix.py"), "--sampler-only", "--vocab", "64"]
     done = subprocess.run([*argv, "--steps", "3"], capture_output=True, text=True, timeout=120)
