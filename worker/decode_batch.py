@@ -22,7 +22,7 @@ from mlxq.batching.logits import apply
 from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.fused_pass import FusedPass
-from mlxq.worker.kv_pack import filter_rows, row_cache
+from mlxq.worker.kv_pack import filter_rows, row_cache, schedule_caches
 from mlxq.worker.prompt_cache import MIN_REUSE
 from mlxq.worker.stages import Stages
 
@@ -380,17 +380,6 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             self._history = mine.extend(theirs)
         else:
             self._history = mine if mine is not None else theirs
-
-
-def schedule_caches(caches: list[Any]) -> None:
-    """Queue a join's or a leave's copies of every layer's cache as an evaluation of their
-    own, as the inputs are (:meth:`BoundGenerationBatch._batched_step`). Left lazy, they ran inside
-    the next decode step's evaluation, an op sequence no steady step has; on CUDA, MLX
-    caches a pass's graphs by their topology, and the step after a row change cost 4-6 ms
-    more than a steady one in the worker (an H100) where the copies alone took 1.3-3.2."""
-    arrays = [a for c in caches for a in vars(c).values() if isinstance(a, mx.array)]
-    if arrays:
-        mx.async_eval(*arrays)
 
 
 def _history(
