@@ -149,7 +149,9 @@ def schedule_caches(caches: list[Any]) -> None:
     CUDA, MLX caches a pass's graphs by their topology, and the step after a row change
     cost 4-6 ms more than a steady one in the worker (an H100) where the copies alone took
     1.3-3.2."""
-    arrays = [a for c in caches for a in vars(c).values() if isinstance(a, mx.array)]
+    arrays = [
+        a for c in caches for a in getattr(c, "__dict__", {}).values() if isinstance(a, mx.array)
+    ]
     if arrays:
         mx.async_eval(*arrays)
 
