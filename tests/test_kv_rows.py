@@ -12,7 +12,7 @@ mx = pytest.importorskip("mlx.core")
 
 from mlx_lm.models.cache import BatchKVCache  # noqa: E402
 
-from mlxq.worker.kv_pack import _one_run, filter_rows  # noqa: E402
+from mlxq.worker.kv_pack import _one_run, filter_rows, schedule_caches  # noqa: E402
 
 ROWS, HEADS, DIM, WIDTH = 6, 2, 8, 20
 
@@ -54,11 +54,14 @@ def _rows(c: BatchKVCache) -> list[tuple[list[float], list[float], int]]:
         [4],
     ],
 )
-def test_filter_rows_keeps_what_mlx_lm_keeps(keep):
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_filter_rows_keeps_what_mlx_lm_keeps(keep, scheduled):
     padding = [0, 3, 5, 2, 7, 9]
     ours, theirs = _batch(padding), _batch(padding)
     held = [WIDTH - padding[i] for i in keep]
     filter_rows(ours, keep, held)
+    if scheduled:  # the worker queues the copies apart from the next step
+        schedule_caches(ours)
     for c in theirs:
         c.filter(mx.array(keep))
     for a, b in zip(ours, theirs, strict=True):
@@ -66,6 +69,21 @@ def test_filter_rows_keeps_what_mlx_lm_keeps(keep):
         assert a.left_padding.tolist() == b.left_padding.tolist()
         assert _rows(a) == _rows(b)
         assert a.keys.shape[0] == len(keep)
+
+
+def test_schedule_caches_passes_over_what_holds_no_arrays_of_its_own():
+    class Slotted:
+        __slots__ = ("keys",)
+
+        def __init__(self) -> None:
+            self.keys = mx.zeros((2, 2))
+
+    class Listed:  # as mlx-lm's ArraysCache: its arrays in a list
+        def __init__(self) -> None:
+            self.cache = [mx.ones((2,)), None]
+
+    schedule_caches([Slotted(), Listed()])  # nothing to queue: no error
+    schedule_caches([])
 
 
 def test_one_run_is_only_consecutive_rows():
