@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,28 +126,36 @@ def _parts(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
     return dict(sorted(out.items()))
 
 
-def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
-    """Decode steps (of shapes seen before) by what changed the batch since the last one:
-    rows left (a leave filters every layer's KV cache), rows joined (an extend), or
-    nothing. Lines are in the order the stages ended."""
-    out = {k: Tally() for k in ("rows unchanged", "after a join", "after a leave")}
+def _with_changes(lines: Sequence[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], set[str]]]:
+    """Each line with the row changes (``rows_join``, ``rows_leave``) since the last
+    decode step ended: for a decode step's line, what changed the batch just before it.
+    Lines are in the order the stages ended."""
     changed: set[str] = set()
     for x in lines:
         if x["stage"] in ("rows_join", "rows_leave"):
             changed.add(x["stage"])
-        elif x["stage"] == "decode":
-            if "sampled" in x and not x.get("new"):
-                key = (
-                    "after a leave"
-                    if "rows_leave" in changed
-                    else "after a join"
-                    if changed
-                    else "rows unchanged"
-                )
-                out[key].ms.append(x["ms"])
-                if "wait_ms" in x:
-                    out[key].wait.append(x["wait_ms"])
+        yield x, changed
+        if x["stage"] == "decode":
             changed = set()
+
+
+def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
+    """Decode steps (of shapes seen before) by what changed the batch since the last one:
+    rows left (a leave filters every layer's KV cache), rows joined (an extend), or
+    nothing."""
+    out = {k: Tally() for k in ("rows unchanged", "after a join", "after a leave")}
+    for x, changed in _with_changes(lines):
+        if x["stage"] == "decode" and "sampled" in x and not x.get("new"):
+            key = (
+                "after a leave"
+                if "rows_leave" in changed
+                else "after a join"
+                if changed
+                else "rows unchanged"
+            )
+            out[key].ms.append(x["ms"])
+            if "wait_ms" in x:
+                out[key].wait.append(x["wait_ms"])
     return out if out["after a join"].ms or out["after a leave"].ms else {}
 
 
@@ -156,17 +164,15 @@ def _kinds(lines: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str,
     rows joined or left or of a new shape) with their own milliseconds, and the steps."""
     ms: dict[str, float] = {}
     steps: dict[str, list[float]] = {}
-    changed = False
-    for x in lines:
+    for x, changed in _with_changes(lines):
         if x.get("part"):
             continue
         stage = x["stage"]
-        changed |= stage in ("rows_join", "rows_leave")
         if stage == "decode":
             kind = "sampled" if x.get("sampled") else "greedy"
             kind = "after a row change" if changed or x.get("new") else kind
             steps.setdefault(kind, []).append(x["ms"])
-            stage, changed = f"decode, {kind}", False
+            stage = f"decode, {kind}"
         elif stage == "prefill" and "rows" in x:
             stage = "prefill of one row" if x["rows"] == 1 else "prefill of several rows"
         ms[stage] = ms.get(stage, 0.0) + x["ms"]
