@@ -140,7 +140,6 @@ def pipelined(
     rows and head splits move with ``base_rows`` (``--rows``), as the whole steps' do."""
     shift = base_rows - 64
     variants = only or [(r + shift, s, p + shift if p else 0) for r, s, p in PIPELINED]
-    base_rows = variants[0][0]
     got: dict[tuple[int, int, int], list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
@@ -148,7 +147,7 @@ def pipelined(
     base = got[variants[0]]
     print(
         "steps in sequence: rows sampled head-parts  ms/step (median of rounds)  "
-        f"over {base_rows} rows (median)  each round"
+        f"over {variants[0][0]} rows (median)  each round"
     )
     for (rows, sampled, parts), ms in got.items():
         over = statistics.median(m - b for m, b in zip(ms, base, strict=True))
