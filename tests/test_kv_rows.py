@@ -5,6 +5,7 @@ gather)."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 
@@ -110,3 +111,39 @@ def test_a_sliced_batch_decodes_on_as_a_gathered_one():
         b.update_and_fetch(step, step)
         assert _rows(a) == _rows(b)
     assert [r[0] for r in _rows(ours[0])] != [r[0] for r in before]
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        list(range(7)),  # the newest row left: one run
+        list(range(1, 8)),  # the longest row left: one run, its padding cut off
+        [0, 1, 2, 4, 5, 6, 7],  # one in the middle: a gather
+    ],
+)
+def test_a_filtered_cache_owns_its_memory(keep):
+    """The kept rows are copied out, not left as views holding the old arrays alive: the
+    next decode step writes into each layer's arrays in place only where they own their
+    memory (else it copies the whole cache inside that step), and the old arrays' memory
+    goes back as the filter's copies land."""
+    gc.collect()
+    padding = [0, 8, 9, 10, 11, 12, 13, 14]
+    caches = []
+    for layer in range(2):
+        c = BatchKVCache(padding)
+        keys = mx.random.normal((8, 2, 200, 64), key=mx.random.key(layer))
+        c.update_and_fetch(keys, keys * 2)  # into arrays of 256 positions, their own
+        caches.append(c)
+    mx.eval([a for c in caches for a in (c.keys, c.values, c.offset, c.left_padding)])
+    del keys
+    gc.collect()
+    kv = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    before = mx.get_active_memory()
+    filter_rows(caches, keep, [200 - padding[i] for i in keep])
+    schedule_caches(caches)
+    mx.eval([a for c in caches for a in (c.keys, c.values)])
+    gc.collect()
+    kept = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    assert kept <= kv * 7 // 8
+    # At least the rows (and padding) let go went back; a view would give back nothing.
+    assert before - mx.get_active_memory() >= (kv - kept) * 0.9

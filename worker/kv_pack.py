@@ -121,7 +121,7 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     cut off as mlx-lm cuts it, but known from ``held`` (the longest row's tokens end at
     ``_idx``), where mlx-lm reads it from the device once a layer, each read waiting for
     the step in flight: a batch whose rows end one by one paid that at every end. Kept rows
-    in one run are sliced, not gathered (:func:`_one_run`)."""
+    in one run are copied as a slice, not gathered (:func:`_one_run`)."""
     index = mx.array(keep)
     fewest, most = min(held, default=0), max(held, default=0)  # once, not a layer each
     run = _one_run(keep)
@@ -130,13 +130,19 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
             c.filter(keep)
             continue
         cut = c._idx - most
+        keys, values = c.keys, c.values
+        if cut > 0:
+            keys, values = keys[..., cut:, :], values[..., cut:, :]
         if run is None:
-            c.keys, c.values = c.keys[index], c.values[index]
+            keys, values = keys[index], values[index]
         else:
-            c.keys, c.values = c.keys[run[0] : run[1]], c.values[run[0] : run[1]]
+            keys, values = keys[run[0] : run[1]], values[run[0] : run[1]]
+        # A view of the old arrays (a run of rows, the padding cut off) is copied here: the
+        # next step writes its token into each layer's arrays, in place only where they
+        # own their memory, else as a copy of the whole cache inside that step.
+        c.keys, c.values = mx.contiguous(keys), mx.contiguous(values)
         c.offset, c.left_padding = c.offset[index], c.left_padding[index]
         if cut > 0:
-            c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
             c._idx -= cut
             c.left_padding = c.left_padding - cut
 
@@ -158,9 +164,10 @@ def schedule_caches(caches: list[Any]) -> None:
 
 def _one_run(keep: list[int]) -> tuple[int, int] | None:
     """``keep`` as one [start, end) run of consecutive rows, or None. Rows kept in one run
-    (the newest row left, as a chat job's end in a sweep's batch, or the oldest rows) are a
-    slice of the batch's arrays, no copy; others a gather of every row kept, a copy of
-    the batch's KV each time a row ends (``ops/bench_kv_rows.py`` times both ways)."""
+    (the newest row left, as a chat job's end in a sweep's batch, or the oldest rows) are
+    copied as one slice; others are gathered row by row. Either is a copy of the batch's
+    KV each time a row ends (``ops/bench_kv_rows.py`` times both ways): a slice left as a
+    view was copied whole by the next step's write into it (see :func:`filter_rows`)."""
     if keep and keep == list(range(keep[0], keep[0] + len(keep))):
         return keep[0], keep[0] + len(keep)
     return None
