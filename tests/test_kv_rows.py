@@ -1,6 +1,6 @@
 """Rows leaving a batch: the worker's filter of every layer's KV cache keeps what mlx-lm's
-``BatchKVCache.filter`` keeps, whether the kept rows are one run (a slice) or not (a
-gather)."""
+``BatchKVCache.filter`` keeps, whether the kept rows are one run or not, and copies them
+out of the old arrays."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ mx = pytest.importorskip("mlx.core")
 
 from mlx_lm.models.cache import BatchKVCache  # noqa: E402
 
-from mlxq.worker.kv_pack import _one_run, filter_rows, schedule_caches  # noqa: E402
+from mlxq.worker.kv_pack import filter_rows, schedule_caches  # noqa: E402
 
 ROWS, HEADS, DIM, WIDTH = 6, 2, 8, 20
 
@@ -87,17 +87,8 @@ def test_schedule_caches_passes_over_what_holds_no_arrays_of_its_own():
     schedule_caches([])
 
 
-def test_one_run_is_only_consecutive_rows():
-    assert _one_run([0, 1, 2]) == (0, 3)
-    assert _one_run([3, 4]) == (3, 5)
-    assert _one_run([0, 2]) is None
-    assert _one_run([2, 1]) is None
-    assert _one_run([]) is None
-
-
-def test_a_sliced_batch_decodes_on_as_a_gathered_one():
-    """The next token written into a filtered cache (a slice of the old arrays, then an
-    update in place or a copy) lands as it lands in mlx-lm's."""
+def test_a_filtered_batch_decodes_on_as_mlx_lms():
+    """The next token written into a filtered cache lands as it lands in mlx-lm's."""
     padding = [0, 3, 5, 2, 7, 9]
     ours, theirs = _batch(padding), _batch(padding)
     keep = [0, 1, 2, 3, 4]

@@ -120,29 +120,25 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     ``keep[i]`` holding ``held[i]`` tokens. The padding every kept row has on its left is
     cut off as mlx-lm cuts it, but known from ``held`` (the longest row's tokens end at
     ``_idx``), where mlx-lm reads it from the device once a layer, each read waiting for
-    the step in flight: a batch whose rows end one by one paid that at every end. Kept rows
-    in one run are copied as a slice, not gathered (:func:`_one_run`)."""
+    the step in flight: a batch whose rows end one by one paid that at every end.
+
+    The kept rows are copied out (a take of whole rows), never left as a view of the old
+    arrays, even where they are one run: the next step writes its token into each layer's
+    arrays, in place only where they own their memory, and into a view as a copy of the
+    whole cache inside that step, beyond :func:`schedule_caches`' reach. A cut padding is
+    copied after the take (a strided take is several times slower on a CPU)."""
     index = mx.array(keep)
     fewest, most = min(held, default=0), max(held, default=0)  # once, not a layer each
-    run = _one_run(keep)
     for c in caches:
         if not _host_padded(c, fewest, most):
             c.filter(keep)
             continue
         cut = c._idx - most
-        keys, values = c.keys, c.values
-        if cut > 0:
-            keys, values = keys[..., cut:, :], values[..., cut:, :]
-        if run is None:
-            keys, values = keys[index], values[index]
-        else:
-            keys, values = keys[run[0] : run[1]], values[run[0] : run[1]]
-        # A view of the old arrays (a run of rows, the padding cut off) is copied here: the
-        # next step writes its token into each layer's arrays, in place only where they
-        # own their memory, else as a copy of the whole cache inside that step.
-        c.keys, c.values = mx.contiguous(keys), mx.contiguous(values)
+        c.keys, c.values = mx.take(c.keys, index, axis=0), mx.take(c.values, index, axis=0)
         c.offset, c.left_padding = c.offset[index], c.left_padding[index]
         if cut > 0:
+            c.keys = mx.contiguous(c.keys[..., cut:, :])
+            c.values = mx.contiguous(c.values[..., cut:, :])
             c._idx -= cut
             c.left_padding = c.left_padding - cut
 
@@ -160,17 +156,6 @@ def schedule_caches(caches: list[Any]) -> None:
     ]
     if arrays:
         mx.async_eval(*arrays)
-
-
-def _one_run(keep: list[int]) -> tuple[int, int] | None:
-    """``keep`` as one [start, end) run of consecutive rows, or None. Rows kept in one run
-    (the newest row left, as a chat job's end in a sweep's batch, or the oldest rows) are
-    copied as one slice; others are gathered row by row. Either is a copy of the batch's
-    KV each time a row ends (``ops/bench_kv_rows.py`` times both ways): a slice left as a
-    view was copied whole by the next step's write into it (see :func:`filter_rows`)."""
-    if keep and keep == list(range(keep[0], keep[0] + len(keep))):
-        return keep[0], keep[0] + len(keep)
-    return None
 
 
 def packed_rows(caches: Sequence[list[Any]]) -> list[mx.array | None]:
