@@ -9,12 +9,11 @@ row joined 19.6-20.4. This times the same operations on the same shapes outside 
 steady decode steps, then a row leaving (``filter_rows``, as the worker filters) and joining
 (mlx-lm's ``BatchKVCache.extend``), each timed alone (synchronized) and with the decode
 step that follows it, as the worker runs them (lazily, in one evaluation). A leave is
-timed three ways: the worker's (``filter_rows``: a take of the kept rows), a view (the
-worker's before: kept rows in one run were a slice of the old arrays, which the next
-step's write into them copies whole), and a concatenation of the runs of kept rows
-(contiguous copies, no take), to see which of MLX's kernels the cost is in. (Most of the
-worker's 6 ms was elsewhere: the step after a change waited for its own evaluation, since
-fixed; docs/benchmarks.md. What is left is these copies.)
+timed three ways: the worker's (``filter_rows``: kept rows in one run are a slice, others
+a gather), a gather always (the worker's before), and, as a candidate, a concatenation of
+the runs of kept rows (contiguous copies, no gather), to see which of MLX's kernels the
+cost is in. (Most of the worker's 6 ms was elsewhere: the step after a change waited for
+its own evaluation, since fixed; docs/benchmarks.md. What is left is these copies.)
 
     python ops/bench_kv_rows.py                  # 0.5B shape (bf16, 4-bit), batch 64
     python ops/bench_kv_rows.py --shape tiny     # a CPU's quick look
@@ -81,8 +80,12 @@ class Batch:
         held = [self.held[i] for i in keep]
         if how == "runs":
             filter_runs(self.caches, keep, held)
-        elif how == "view":
-            filter_view(self.caches, keep, held)
+        elif how == "gather":
+            one_run, kv_pack._one_run = kv_pack._one_run, lambda keep: None
+            try:
+                kv_pack.filter_rows(self.caches, keep, held)
+            finally:
+                kv_pack._one_run = one_run
         else:
             kv_pack.filter_rows(self.caches, keep, held)
         self.next = self.next[mx.array(keep)]
@@ -116,21 +119,6 @@ def filter_runs(caches: list[Any], keep: list[int], held: list[int]) -> None:
         c.keys, c.values = (
             mx.concatenate([a[s:e, :, cut:] for s, e in runs]) for a in (c.keys, c.values)
         )
-        c.offset, c.left_padding = c.offset[index], c.left_padding[index] - cut
-        c._idx -= cut
-
-
-def filter_view(caches: list[Any], keep: list[int], held: list[int]) -> None:
-    """The worker's filter before it copied kept rows out: a run of kept rows (the newest
-    row left) is a slice, a view of the old arrays, which the next step's write copies."""
-    if keep != list(range(keep[0], keep[0] + len(keep))):
-        kv_pack.filter_rows(caches, keep, held)
-        return
-    index = mx.array(keep)
-    most = max(held)
-    for c in caches:
-        cut = max(c._idx - most, 0)
-        c.keys, c.values = (a[keep[0] : keep[-1] + 1, :, cut:] for a in (c.keys, c.values))
         c.offset, c.left_padding = c.offset[index], c.left_padding[index] - cut
         c._idx -= cut
 
@@ -173,7 +161,7 @@ def main() -> None:
             note("decode step, steady", timed(batch.step, batch))
         # The newest row (a chat job's, last in the batch) or one in the middle.
         row = len(batch.held) - 1 if args.leave == "newest" else len(batch.held) // 2
-        how = ("worker", "view", "runs")[cycle // 2 % 3]
+        how = ("worker", "gather", "runs")[cycle // 2 % 3]
         leave = partial(batch.leave, row, how)
         if cycle % 2:  # alone, then the step after it
             note(f"leave alone ({how}, evaluated)", timed(leave, batch))

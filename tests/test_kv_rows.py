@@ -1,11 +1,10 @@
 """Rows leaving a batch: the worker's filter of every layer's KV cache keeps what mlx-lm's
-``BatchKVCache.filter`` keeps, whether the kept rows are one run or not, and copies them
-out of the old arrays."""
+``BatchKVCache.filter`` keeps, whether the kept rows are one run (a slice) or not (a
+gather)."""
 
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 
@@ -13,7 +12,7 @@ mx = pytest.importorskip("mlx.core")
 
 from mlx_lm.models.cache import BatchKVCache  # noqa: E402
 
-from mlxq.worker.kv_pack import filter_rows, schedule_caches  # noqa: E402
+from mlxq.worker.kv_pack import _one_run, filter_rows, schedule_caches  # noqa: E402
 
 ROWS, HEADS, DIM, WIDTH = 6, 2, 8, 20
 
@@ -87,8 +86,17 @@ def test_schedule_caches_passes_over_what_holds_no_arrays_of_its_own():
     schedule_caches([])
 
 
-def test_a_filtered_batch_decodes_on_as_mlx_lms():
-    """The next token written into a filtered cache lands as it lands in mlx-lm's."""
+def test_one_run_is_only_consecutive_rows():
+    assert _one_run([0, 1, 2]) == (0, 3)
+    assert _one_run([3, 4]) == (3, 5)
+    assert _one_run([0, 2]) is None
+    assert _one_run([2, 1]) is None
+    assert _one_run([]) is None
+
+
+def test_a_sliced_batch_decodes_on_as_a_gathered_one():
+    """The next token written into a filtered cache (a slice of the old arrays, then an
+    update in place or a copy) lands as it lands in mlx-lm's."""
     padding = [0, 3, 5, 2, 7, 9]
     ours, theirs = _batch(padding), _batch(padding)
     keep = [0, 1, 2, 3, 4]
@@ -102,39 +110,3 @@ def test_a_filtered_batch_decodes_on_as_mlx_lms():
         b.update_and_fetch(step, step)
         assert _rows(a) == _rows(b)
     assert [r[0] for r in _rows(ours[0])] != [r[0] for r in before]
-
-
-@pytest.mark.parametrize(
-    "keep",
-    [
-        list(range(7)),  # the newest row left: one run
-        list(range(1, 8)),  # the longest row left: one run, its padding cut off
-        [0, 1, 2, 4, 5, 6, 7],  # one in the middle: a gather
-    ],
-)
-def test_a_filtered_cache_owns_its_memory(keep):
-    """The kept rows are copied out, not left as views holding the old arrays alive: the
-    next decode step writes into each layer's arrays in place only where they own their
-    memory (else it copies the whole cache inside that step), and the old arrays' memory
-    goes back as the filter's copies land."""
-    gc.collect()
-    padding = [0, 8, 9, 10, 11, 12, 13, 14]
-    caches = []
-    for layer in range(2):
-        c = BatchKVCache(padding)
-        keys = mx.random.normal((8, 2, 200, 64), key=mx.random.key(layer))
-        c.update_and_fetch(keys, keys * 2)  # into arrays of 256 positions, their own
-        caches.append(c)
-    mx.eval([a for c in caches for a in (c.keys, c.values, c.offset, c.left_padding)])
-    del keys
-    gc.collect()
-    kv = sum(c.keys.nbytes + c.values.nbytes for c in caches)
-    before = mx.get_active_memory()
-    filter_rows(caches, keep, [200 - padding[i] for i in keep])
-    schedule_caches(caches)
-    mx.eval([a for c in caches for a in (c.keys, c.values)])
-    gc.collect()
-    kept = sum(c.keys.nbytes + c.values.nbytes for c in caches)
-    assert kept <= kv * 7 // 8
-    # At least the rows (and padding) let go went back; a view would give back nothing.
-    assert before - mx.get_active_memory() >= (kv - kept) * 0.9

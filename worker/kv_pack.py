@@ -120,25 +120,23 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     ``keep[i]`` holding ``held[i]`` tokens. The padding every kept row has on its left is
     cut off as mlx-lm cuts it, but known from ``held`` (the longest row's tokens end at
     ``_idx``), where mlx-lm reads it from the device once a layer, each read waiting for
-    the step in flight: a batch whose rows end one by one paid that at every end.
-
-    The kept rows are copied out (a take of whole rows), never left as a view of the old
-    arrays, even where they are one run: the next step writes its token into each layer's
-    arrays, in place only where they own their memory, and into a view as a copy of the
-    whole cache inside that step, beyond :func:`schedule_caches`' reach. A cut padding is
-    copied after the take (a strided take is several times slower on a CPU)."""
+    the step in flight: a batch whose rows end one by one paid that at every end. Kept rows
+    in one run are sliced, not gathered (:func:`_one_run`)."""
     index = mx.array(keep)
     fewest, most = min(held, default=0), max(held, default=0)  # once, not a layer each
+    run = _one_run(keep)
     for c in caches:
         if not _host_padded(c, fewest, most):
             c.filter(keep)
             continue
         cut = c._idx - most
-        c.keys, c.values = mx.take(c.keys, index, axis=0), mx.take(c.values, index, axis=0)
+        if run is None:
+            c.keys, c.values = c.keys[index], c.values[index]
+        else:
+            c.keys, c.values = c.keys[run[0] : run[1]], c.values[run[0] : run[1]]
         c.offset, c.left_padding = c.offset[index], c.left_padding[index]
         if cut > 0:
-            c.keys = mx.contiguous(c.keys[..., cut:, :])
-            c.values = mx.contiguous(c.values[..., cut:, :])
+            c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
             c._idx -= cut
             c.left_padding = c.left_padding - cut
 
@@ -156,6 +154,19 @@ def schedule_caches(caches: list[Any]) -> None:
     ]
     if arrays:
         mx.async_eval(*arrays)
+
+
+def _one_run(keep: list[int]) -> tuple[int, int] | None:
+    """``keep`` as one [start, end) run of consecutive rows, or None. Rows kept in one run
+    (the newest row left, as a chat job's end in a sweep's batch, or the oldest rows) are a
+    slice of the batch's arrays, no copy at the leave; others a gather of every row kept,
+    a copy of the batch's KV each time a row ends (``ops/bench_kv_rows.py`` times both
+    ways). The next step's write into a slice copies it whole (MLX writes in place only
+    into an array that owns its memory), yet on an H100 that cost 0.9-1.9 ms less a
+    leave than a take of the kept rows at the leave (docs/benchmarks.md)."""
+    if keep and keep == list(range(keep[0], keep[0] + len(keep))):
+        return keep[0], keep[0] + len(keep)
+    return None
 
 
 def packed_rows(caches: Sequence[list[Any]]) -> list[mx.array | None]:
