@@ -31,6 +31,8 @@ class Tally:
 
     ms: list[float] = field(default_factory=list)
     wait: list[float] = field(default_factory=list)
+    #: Of a decode step's part, the milliseconds its thread spent off the CPU (blocked).
+    off: list[float] = field(default_factory=list)
 
     def line(self, name: str) -> str:
         if not self.ms:
@@ -38,9 +40,12 @@ class Tally:
         xs = sorted(self.ms)
         p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
         waited = f" {sum(self.wait):>10.1f}" if self.wait else ""
+        blocked = ""
+        if self.off:
+            blocked = f"  off-CPU {sum(self.off):.1f} ({statistics.mean(self.off):.2f})"
         return (
             f"{name:<28} {len(xs):>6} {sum(xs):>10.1f} {statistics.mean(xs):>8.2f} "
-            f"{statistics.median(xs):>8.2f} {p99:>8.2f} {xs[-1]:>8.1f}{waited}"
+            f"{statistics.median(xs):>8.2f} {p99:>8.2f} {xs[-1]:>8.1f}{waited}{blocked}"
         )
 
 
@@ -107,8 +112,9 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
 
 def _parts(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
     """Decode steps' parts (the model pass's graph, the sampler's, the launch, the wait for
-    the last step: host work or the device's) by whether the step had sampled rows. A part
-    ends before its step's line."""
+    the last step: host work or the device's) by whether the step had sampled rows, with
+    the time the thread spent off the CPU in them (total, and mean a part) where the trace
+    has it. A part ends before its step's line."""
     out: dict[str, Tally] = {}
     pending: list[dict[str, Any]] = []
     for x in lines:
@@ -122,6 +128,8 @@ def _parts(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
                     tally.ms.append(p["ms"])
                     if "wait_ms" in p:
                         tally.wait.append(p["wait_ms"])
+                    if "cpu_ms" in p:
+                        tally.off.append(max(p["ms"] - p["cpu_ms"], 0.0))
             pending = []
     return dict(sorted(out.items()))
 

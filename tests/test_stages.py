@@ -151,8 +151,10 @@ def test_a_steps_parts_go_to_the_trace_inside_its_time_and_nowhere_untraced(cloc
     assert s.snapshot() == {"decode": 20.0}
     table = {r[:28].strip(): r.split() for r in summary(lines).splitlines()}
     # the parts by whether their step sampled, with the device's share of each
-    assert table["all greedy: graph"][-7:] == ["1", "5.0", "5.00", "5.00", "5.00", "5.0", "1.0"]
-    assert table["some sampled: graph"][-6] == "7.0"
+    greedy_graph = table["all greedy: graph"]
+    assert greedy_graph[-10:-3] == ["1", "5.0", "5.00", "5.00", "5.00", "5.0", "1.0"]
+    assert greedy_graph[-3] == "off-CPU"  # then the thread's blocked ms: total (mean)
+    assert table["some sampled: graph"][-9] == "7.0"
     assert "graph" not in table  # not a stage of its own beside decode
 
 
@@ -294,3 +296,25 @@ def test_the_budget_says_which_stage_and_which_steps_a_window_with_chat_rows_wen
     # each kind's steps over the off windows' greedy step, per step of the on windows
     assert "  on, sampled: 1 steps, mean 9.00 ms (+0.33 ms a step over the off" in lines[-1]
     assert "after a row change: 1 steps, mean 14.00 ms (+2.00 ms" in lines[-3]
+
+
+def test_a_parts_cpu_time_says_how_long_its_thread_was_blocked(tmp_path):
+    """A part's ``cpu_ms`` is its thread's CPU time: a part that sleeps (blocked, as on
+    the interpreter's lock) has almost none, one that computes has all of its time."""
+    import json
+    import time
+
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        s = Stages(f)
+        with s.on("decode"):
+            with s.part("launch"):
+                time.sleep(0.05)
+            with s.part("graph"):
+                until = time.thread_time() + 0.02
+                while time.thread_time() < until:
+                    pass
+    parts = {x["stage"]: x for x in map(json.loads, path.read_text().splitlines())}
+    assert parts["launch"]["ms"] >= 50 and parts["launch"]["cpu_ms"] < 25
+    assert parts["graph"]["cpu_ms"] >= 19.9
+    assert parts["graph"]["ms"] >= parts["graph"]["cpu_ms"] - 1  # the clocks' grain apart

@@ -18,8 +18,9 @@ would have overlapped it with the host's next stage (so the run is slower; for
 attribution only). While tracing, a decode step's parts are written too, each
 as it ends (:meth:`Stages.part`: the model pass's graph, the sampler's, the launch of its
 kernels and the wait for the last step's tokens, ``"part": true``, inside their stage's
-time, not taken from it), so a trace says whether a slower step was the host's work or
-the device's; untraced they are not timed.
+time, not taken from it, with the thread's CPU time in each as ``cpu_ms``), so a trace
+says whether a slower step was the host's work, the device's, or time the thread spent
+blocked (its other threads holding the interpreter's lock); untraced they are not timed.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Stages:
 
     @contextmanager
     def _part(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
@@ -127,6 +128,10 @@ class Stages:
             if self._sync is not None:
                 line["wait_ms"] = self._wait_ms(self._sync)
             line["ms"] = round(1000 * (time.perf_counter() - start), 3)
+            # This thread's CPU time in the part: the rest it spent blocked, waiting for
+            # the interpreter's lock (MLX gives it up while it launches) or on a lock of
+            # MLX's own, where a host-bound step loses time to the worker's other threads.
+            line["cpu_ms"] = round(1000 * (time.thread_time() - cpu), 3)
             if self._trace is not None:
                 self._trace.write(json.dumps(line) + "\n")
 
