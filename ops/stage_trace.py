@@ -34,6 +34,15 @@ class Tally:
     #: Of a decode step's part, the milliseconds its thread spent off the CPU (blocked).
     off: list[float] = field(default_factory=list)
 
+    def add(self, x: dict[str, Any]) -> None:
+        """One traced line: its milliseconds, its device wait and its time off the CPU
+        (a decode step's part), each where the line has it."""
+        self.ms.append(x["ms"])
+        if "wait_ms" in x:
+            self.wait.append(x["wait_ms"])
+        if "cpu_ms" in x:
+            self.off.append(max(x["ms"] - x["cpu_ms"], 0.0))
+
     def line(self, name: str) -> str:
         if not self.ms:
             return f"{name:<28} {0:>6}"
@@ -80,10 +89,7 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
             prefills.append(line)
         if line.get("new"):  # the worker's first pass of this shape
             stage = f"{stage}, new shape"
-        tally = tallies.setdefault(stage, Tally())
-        tally.ms.append(line["ms"])
-        if "wait_ms" in line:
-            tally.wait.append(line["wait_ms"])
+        tallies.setdefault(stage, Tally()).add(line)
     head = f"{'stage':<28} {'passes':>6} {'ms':>10} {'mean':>8} {'p50':>8} {'p99':>8} {'most':>8}"
     if any(t.wait for t in tallies.values()):
         head += f" {'device ms':>10}"
@@ -124,12 +130,7 @@ def _parts(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
             if x["stage"] == "decode" and "sampled" in x and not x.get("new"):
                 kind = "some sampled" if x["sampled"] else "all greedy"
                 for p in pending:
-                    tally = out.setdefault(f"  {kind}: {p['stage']}", Tally())
-                    tally.ms.append(p["ms"])
-                    if "wait_ms" in p:
-                        tally.wait.append(p["wait_ms"])
-                    if "cpu_ms" in p:
-                        tally.off.append(max(p["ms"] - p["cpu_ms"], 0.0))
+                    out.setdefault(f"  {kind}: {p['stage']}", Tally()).add(p)
             pending = []
     return dict(sorted(out.items()))
 
@@ -161,9 +162,7 @@ def _by_row_change(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
                 if changed
                 else "rows unchanged"
             )
-            out[key].ms.append(x["ms"])
-            if "wait_ms" in x:
-                out[key].wait.append(x["wait_ms"])
+            out[key].add(x)
     return out if out["after a join"].ms or out["after a leave"].ms else {}
 
 

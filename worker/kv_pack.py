@@ -145,10 +145,11 @@ def schedule_caches(caches: list[Any]) -> None:
     """Queue a join's or a leave's copies of every layer's cache as an evaluation of their
     own, as a decode step's inputs are
     (:meth:`mlxq.worker.decode_batch.BoundGenerationBatch._batched_step`). Left lazy, they
-    ran inside the next decode step's evaluation, an op sequence no steady step has; on
-    CUDA, MLX caches a pass's graphs by their topology, and the step after a row change
-    cost 4-6 ms more than a steady one in the worker (an H100) where the copies alone took
-    1.3-3.2."""
+    ran inside the next decode step's evaluation, an op sequence no steady step has. In
+    the worker on an H100 the step after a row change cost 4-6 ms more than a steady one,
+    where outside it (``ops/bench_kv_rows.py``) the copies alone took 1.3-3.7 and the step
+    after them was steady; what this does to the worker's step on a GPU is still to
+    measure (docs/benchmarks.md)."""
     arrays = [
         a for c in caches for a in getattr(c, "__dict__", {}).values() if isinstance(a, mx.array)
     ]
