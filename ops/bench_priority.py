@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gil_sample
 import redis
 import redis.asyncio as aioredis
 from procs import MLXQ, commit, free_port, records, start_redis, start_worker, stop, version
@@ -669,6 +670,7 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
     chat_q, sweep_q = served.levels[0], served.levels[-1]
     b = Bench(served, args)
     chats: list[asyncio.Task[list[Followed]]] = []
+    gil = gil_sample.Sampler(served.proc.pid, Path(args.gil)) if args.gil else None
     try:
         await b.warm(sweep_q, chat_q)
         kws = sweep_jobs(f"turns-{uuid.uuid4().hex[:6]}", args.sweep_jobs)
@@ -684,6 +686,8 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
                 chats.append(asyncio.create_task(interactive(b.client, chat_q, every, None, done)))
             await asyncio.sleep(args.guard_s)  # what the last window left ends
             at, t0, m0 = time.time(), time.perf_counter(), await asyncio.to_thread(served.metrics)
+            if gil is not None:  # which threads hold the interpreter's lock in this window
+                gil.window(i, on, start + args.turn_s - time.perf_counter())
             await asyncio.sleep(max(0.0, start + args.turn_s - time.perf_counter()))
             t1, m1 = time.perf_counter(), await asyncio.to_thread(served.metrics)
             done.set()
@@ -713,6 +717,8 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
     finally:
         for t in chats:
             t.cancel()
+        if gil is not None:
+            await asyncio.to_thread(gil.close)
         await asyncio.to_thread(lambda: Queue(sweep_q, connection=served.r).empty())
         await b.aclose()
 
@@ -1033,6 +1039,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="each worker traces its decode thread's stages into this folder "
         "(MLXQ_TRACE_STAGES); each phase's passes are summed by ops/stage_trace.py",
     )
+    ap.add_argument(
+        "--gil",
+        metavar="DIR",
+        help="--parts turns: sample which of the worker's threads hold the interpreter's "
+        "lock in each window (py-spy --gil, ops/gil_sample.py) into this folder",
+    )
     ap.add_argument("--redis-url", help="use this Redis (default: start a private one)")
     ap.add_argument("--json", metavar="OUT", help="write every figure here")
     ap.add_argument(
@@ -1173,6 +1185,8 @@ def run(args: argparse.Namespace, url: str, work: Path) -> int:
         print("\n" + table(phases, args))
         print("\n" + stage_table(phases))
     print_traces(phases, turns, turns_trace)
+    if args.gil and turns:
+        print("\nturns, " + gil_sample.table(gil_sample.read(Path(args.gil))))
     print()
     met = targets(phases, windows, int(wa) / int(wb), pairs) + turns_target(turns, turn_probes)
     for what, figure, ok in met:

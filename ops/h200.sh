@@ -41,6 +41,10 @@ if [ "$part" = prepare ]; then
         --platform manylinux2014_x86_64 --platform any -d .gpu/2/whl llguidance==1.9.1 tqdm \
         rich markdown-it-py mdurl pygments prometheus-client jsonschema \
         jsonschema-specifications referencing rpds-py attrs httptools uvloop hiredis
+    # py-spy, for GIL=1 (which of a worker's threads hold the interpreter's lock): its
+    # binary unpacks with the wheels, under $MLXQ_GPU_SITE/py_spy-*.data/scripts.
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_5_x86_64 -d .gpu/2/whl py-spy==0.4.3
     du -sh .gpu/1 .gpu/2  # each must stay under the 64 MiB a device call carries
     exit 0
 fi
@@ -111,6 +115,13 @@ priority)
     name=priority-${parts//,/-}${TAG:+-$TAG}  # TAG: tells two runs of one call apart
     # TRACE=1: each worker's decode thread, pass by pass (ops/stage_trace.py), gzipped.
     [ "${TRACE:-0}" = 1 ] && extra+=(--trace "$OUT/trace-$name")
+    # GIL=1 (PARTS=turns): which of the worker's threads hold the interpreter's lock, each
+    # window (ops/gil_sample.py; py-spy from prepare's wheel, or PY_SPY, or PATH).
+    if [ "${GIL:-0}" = 1 ]; then
+        spy=$(ls "${MLXQ_GPU_SITE:-/nonexistent}"/py_spy-*.data/scripts/py-spy 2>/dev/null | head -1 || true)
+        [ -n "$spy" ] && chmod +x "$spy" && export PY_SPY=${PY_SPY:-$spy}
+        extra+=(--gil "$OUT/gil-$name")
+    fi
     log "bench_priority $parts: sweep $jobs jobs ${WORKER_ARGS:-}"
     # The card's clocks, power and temperature each second: its pace drifts between runs
     # (an H100's decode step from 6.7 to 10 ms over one call), and this says whether the
@@ -134,7 +145,7 @@ priority)
     if [[ ",$parts," == *,base,* || ",$parts," == *,mix,* ]]; then cp "$OUT/$name.json" "$base"; fi
     # One file for the traces and the workers' logs: a device call brings back 8 files.
     packed=()
-    for d in "trace-$name" "logs-$name"; do [ -d "$OUT/$d" ] && packed+=("$d"); done
+    for d in "trace-$name" "logs-$name" "gil-$name"; do [ -d "$OUT/$d" ] && packed+=("$d"); done
     if [ ${#packed[@]} -gt 0 ]; then
         tar czf "$OUT/$name-logs.tgz" -C "$OUT" "${packed[@]}" && (cd "$OUT" && rm -rf "${packed[@]}")
     fi

@@ -318,3 +318,39 @@ def test_a_parts_cpu_time_says_how_long_its_thread_was_blocked(tmp_path):
     assert parts["launch"]["ms"] >= 50 and parts["launch"]["cpu_ms"] < 25
     assert parts["graph"]["cpu_ms"] >= 19.9
     assert parts["graph"]["ms"] >= parts["graph"]["cpu_ms"] - 1  # the clocks' grain apart
+
+
+def test_the_lock_table_gives_each_threads_share_of_the_on_and_off_windows(tmp_path):
+    """ops/gil_sample.py reads py-spy's raw files (``--gil --threads``, 100 samples a
+    second): a thread's samples over its windows' seconds, in milliseconds a second."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    import gil_sample
+
+    boot = "Thread._bootstrap (/usr/lib/python3.12/threading.py:1032)"
+    claim = "Bridge.claim (/site/mlxq/worker/bridge.py:88)"
+    parse = "loads (/site/json/__init__.py:346)"
+    (tmp_path / "gil-01-off-4s.txt").write_text(
+        "thread (11): MainThread;<module> (/bin/mlxq:8) 200\n"
+        f"thread (12): mlxq-prefetch-2;{boot};{claim};{parse} 20\n"
+    )
+    (tmp_path / "gil-02-on-2s.txt").write_text(
+        f"thread (12): mlxq-prefetch-2;{boot};{claim};{parse} 30\n"
+        f"thread (12): mlxq-prefetch-2;{boot};{claim} 10\n"
+    )
+    (tmp_path / "gil-03-on-2s.log").write_text("py-spy's own log: not a window")
+    held = gil_sample.read(tmp_path)
+    assert held[False].seconds == 4 and held[True].seconds == 2
+    threads, frames = gil_sample.table(held).split("\n\n")
+    rows = {
+        r.split("|")[1].strip(): r.split("|")[2:-1]
+        for r in threads.splitlines()
+        if r.startswith("| ")
+    }
+    # 20 samples of 10 ms over 4 s: 50 ms a second off; 40 over 2 s: 200 on
+    assert [c.strip() for c in rows["mlxq-prefetch-"]] == ["50.0", "200.0", "+150.0"]
+    assert [c.strip() for c in rows["MainThread"]] == ["500.0", "0.0", "-500.0"]
+    # the frame is mlxq's innermost, not the library's below it
+    assert "Bridge.claim (bridge.py)" in frames and "loads" not in frames
