@@ -354,3 +354,37 @@ def test_the_lock_table_gives_each_threads_share_of_the_on_and_off_windows(tmp_p
     assert [c.strip() for c in rows["MainThread"]] == ["500.0", "0.0", "-500.0"]
     # the frame is mlxq's innermost, not the library's below it
     assert "Bridge.claim (bridge.py)" in frames and "loads" not in frames
+
+
+def test_the_summary_gives_the_device_wait_by_rows_and_sampled_rows():
+    """A step's ``wait`` part, grouped by the decode line after it: 65 rows with a sampled
+    one apart from 64 greedy rows (on a GPU the 65th row's step outran the host's)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import summary
+
+    def step(rows: int, sampled: int, wait: float) -> list[dict]:
+        return [
+            {"t": 0.0, "stage": "wait", "part": True, "ms": wait, "cpu_ms": wait},
+            {
+                "t": 0.0,
+                "stage": "decode",
+                "ms": 6.0,
+                "rows": rows,
+                "new": False,
+                "sampled": sampled,
+            },
+        ]
+
+    lines = [x for _ in range(20) for x in step(64, 0, 0.1)]
+    lines += [x for i in range(20) for x in step(65, 1, 3.0 if i % 4 == 0 else 0.2)]
+    lines += [x for x in step(66, 2, 9.0)]  # one step: under the 20 a line needs
+    got = [r for r in summary(lines).splitlines() if " rows, " in r]
+    assert got == [
+        "decode, 64 rows, none sampled: 20 steps waited 0.10 ms for the device at the mean, "
+        "over 1 ms in 0%",
+        "decode, 65 rows, some sampled: 20 steps waited 0.90 ms for the device at the mean, "
+        "over 1 ms in 25%",
+    ]
