@@ -1072,6 +1072,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--pairs and --turns must be >= 1")
     if not 0 <= args.guard_s < args.turn_s:
         ap.error("--guard-s must be >= 0 and under --turn-s")
+    if args.gil and "turns" not in args.parts:
+        ap.error("--gil samples the turns windows: give --parts turns")
+    if args.gil:
+        gil_sample.exe()  # no py-spy: say so before any worker starts
     return args
 
 

@@ -22,7 +22,9 @@
 # that commit's mlxq into .gpu/code (carry it beside .gpu/2), then CODE=.gpu/code TAG=old
 # PARTS=both ... runs the worker and the benchmark from it (put before, not instead of,
 # the device's PYTHONPATH). The commit each part prints is the device checkout's, which
-# may lag this tree's; the sources' hash beside it is of the files that ran.
+# may lag this tree's; the sources' hash beside it is of the files that ran. Where the two
+# pass the 64 MiB a call carries (py-spy's wheel is in .gpu/2), carry .gpu/2 in call B and
+# .gpu/code alone in a later call on the warm machine: what a call carried stays there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?"which part: prepare, code, priority, serve, step, fused, graphs or structured"}
