@@ -9,6 +9,7 @@
 #                                     ... && bash ops/h200.sh serve
 #                                     ... && bash ops/h200.sh structured
 #                                     ... && bash ops/h200.sh step
+#                                     ... && bash ops/h200.sh engine  (ops/bench_engine_steps.py)
 #                                     ... && bash ops/h200.sh fused   (ops/bench_fused.py)
 #                                     ... && bash ops/h200.sh graphs  (MLX's CUDA graph settings)
 #
@@ -27,7 +28,7 @@
 # .gpu/code alone in a later call on the warm machine: what a call carried stays there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"which part: prepare, code, priority, serve, step, fused, graphs or structured"}
+part=${1:?"which part: prepare, code, priority, serve, step, engine, fused, graphs or structured"}
 
 if [ "$part" = prepare ]; then
     # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
@@ -79,7 +80,7 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/h200.log"; }
 
 # step, fused and graphs build their model in memory: only the rest read this one (built
 # once per machine, about a minute of device time).
-if [[ "$part" =~ ^(priority|serve|structured)$ ]] && [ ! -f "$MODEL/config.json" ]; then
+if [[ "$part" =~ ^(priority|serve|structured|engine)$ ]] && [ ! -f "$MODEL/config.json" ]; then
     log "building the $SHAPE model into $MODEL"
     # As bench_serve builds it (so it reuses it): end of sequence unreachable, so every
     # unconstrained job runs its max_tokens.
@@ -192,6 +193,15 @@ step)
     "$PY" ops/bench_step_mix.py --shape "$SHAPE" "${step_args[@]}" ${STEP_ARGS:-} 2>&1 |
         tee "$OUT/step-mix${TAG:+-$TAG}.log"
     ;;
+engine)
+    # A chat row's cost to a sweep's decode steps through the worker's own Engine (no
+    # Redis, no helper threads): greedy rows, with a chat row, with one more greedy row.
+    log "bench_engine_steps"
+    engine_args=()
+    [ "$small" = 1 ] && engine_args=(--steps 10 --rounds 2 --settle 2)
+    "$PY" ops/bench_engine_steps.py --model "$MODEL" "${engine_args[@]}" ${ENGINE_ARGS:-} 2>&1 |
+        tee "$OUT/engine-steps${TAG:+-$TAG}.log"
+    ;;
 fused)
     # A decode step and a chat row's prefill, two passes against one fused pass
     # (ops/bench_fused.py builds its model in memory), 4-bit and bfloat16.
@@ -226,7 +236,7 @@ structured)
         --answers "$answers" --sweep "$sweep" 2>&1 | tee "$OUT/structured.log"
     ;;
 *)
-    echo "unknown part $part: priority, serve, step, fused, graphs or structured" >&2
+    echo "unknown part $part: priority, serve, step, engine, fused, graphs or structured" >&2
     exit 2
     ;;
 esac

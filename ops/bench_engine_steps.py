@@ -1,0 +1,140 @@
+"""A chat row's cost to a sweep's decode steps, through the worker's own engine.
+
+In the worker on an H100 (docs/benchmarks.md, "Which thread holds the interpreter's
+lock"), a decode step with a chat job's sampled row in it took 0.25-0.67 ms longer than a
+greedy step of the same windows, in the host's parts of the step; ``bench_step_mix
+--pipelined``, which builds the same model pass and calls the same sampler in a loop of its
+own, found 0.1 ms at most. This times ``Engine.step`` (mlx-lm's batch, the worker's bound
+sampler, its detokenizers and deltas), with no Redis and no helper thread, in rounds:
+
+  greedy   ``--rows`` greedy jobs (a sweep's batch)
+  chat     the same, with one chat job beside them (seeded, temperature 0.7)
+  wider    the same, with one more greedy job instead (the row count alone)
+
+Each phase steps ``--settle`` times untimed after its row joined or left, then times
+``--steps`` steps. Steps of a phase where a row ended (an end of sequence) are left out.
+
+    python ops/bench_engine_steps.py --shape 0.5b             # a GPU: the worker's 0.5B shape
+    python ops/bench_engine_steps.py --model DIR --rows 62    # any mlx-lm model
+    python ops/bench_engine_steps.py --steps 20 --rounds 2    # the tiny model: a CPU's look
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import MLXQ
+
+from mlxq.producer.params import GenerationRequest, SamplingParams
+from mlxq.worker.engine import Engine
+from mlxq.worker.jobs import Job, apply_deltas
+
+PHASES = ("greedy", "chat", "wider")
+
+
+def job(engine: Engine, name: str, tokens: int, **sampling: object) -> Job:
+    req = GenerationRequest(
+        prompt=f"{name}: the harbour at dawn, the boats, the gulls and the tide",
+        max_tokens=tokens,
+        sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
+    )
+    j = Job(name, req, engine.encode(req))
+    j.start("exec")
+    return j
+
+
+def steps_ms(engine: Engine, n: int) -> list[float]:
+    """``n`` engine steps, each one's wall milliseconds; none if a row ended among them."""
+    out, before = [], engine.active
+    for _ in range(n):
+        start = time.perf_counter()
+        apply_deltas(engine.step())
+        out.append((time.perf_counter() - start) * 1e3)
+    return out if engine.active == before else []
+
+
+def run(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
+    engine = Engine.load(model, max_batch=args.rows + 2, prompt_cache_bytes=0)
+    per_round = (len(PHASES) + 1) * (args.settle + args.steps)
+    budget = args.rounds * per_round + args.settle + 64
+    sweep = [job(engine, f"sweep {i}", budget, temperature=0.0) for i in range(args.rows)]
+    engine.add(sweep)
+    for _ in range(args.settle):
+        apply_deltas(engine.step())
+    got: dict[str, list[float]] = {p: [] for p in PHASES}
+    for r in range(args.rounds):
+        for phase in PHASES:
+            extra = None
+            if phase == "chat":
+                extra = job(engine, f"chat {r}", budget, temperature=0.7, seed=r)
+            elif phase == "wider":
+                extra = job(engine, f"more {r}", budget, temperature=0.0)
+            if extra is not None:
+                engine.add([extra])
+            for _ in range(args.settle):
+                apply_deltas(engine.step())
+            times = steps_ms(engine, args.steps)
+            if times:
+                got[phase].append(statistics.median(times))
+            if extra is not None:
+                engine.remove([extra])
+                for _ in range(args.settle):
+                    apply_deltas(engine.step())
+        print(
+            f"round {r + 1}: "
+            + ", ".join(f"{p} {got[p][-1]:.2f}" if got[p] else f"{p} -" for p in PHASES),
+            flush=True,
+        )
+    return got
+
+
+def report(got: dict[str, list[float]], rows: int) -> str:
+    base = statistics.median(got["greedy"]) if got["greedy"] else None
+    lines = [f"engine steps, ms at the median of each phase; median of rounds ({rows} rows)"]
+    for p in PHASES:
+        if not got[p]:
+            lines.append(f"  {p:<7} -")
+            continue
+        m = statistics.median(got[p])
+        over = "" if base is None or p == "greedy" else f"  ({m - base:+.2f} over greedy)"
+        lines.append(f"  {p:<7} {m:.2f}{over}   rounds: {' '.join(f'{x:.2f}' for x in got[p])}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--model", help="mlx-lm model dir or repo id (default: the tiny model)")
+    ap.add_argument("--shape", choices=("0.5b", "1.5b"), help="build a random model of it")
+    ap.add_argument("--rows", type=int, default=62, help="the sweep's greedy rows (62)")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps a phase (100)")
+    ap.add_argument("--settle", type=int, default=8, help="untimed steps after a change (8)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the three phases (5)")
+    args = ap.parse_args(argv)
+    if min(args.rows, args.steps, args.rounds) < 1 or args.settle < 0:
+        ap.error("--rows, --steps and --rounds must be >= 1, --settle >= 0")
+    with tempfile.TemporaryDirectory() as work:
+        model = args.model
+        if model is None or (args.shape and not (Path(model) / "config.json").exists()):
+            model = model or str(Path(work) / "model")
+            if args.shape:
+                code = (
+                    "import sys; from mlxq.worker.random_model import build_random_model as b; "
+                    "b(sys.argv[1], shape=sys.argv[2], eos_reachable=False)"
+                )
+                subprocess.run([sys.executable, "-c", code, model, args.shape], check=True)
+            else:
+                subprocess.run([str(MLXQ), "model", "tiny", model], check=True, capture_output=True)
+        print(report(run(args, model), args.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
