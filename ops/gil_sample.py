@@ -4,7 +4,9 @@ MLX releases the lock while it evaluates, and the decode step is mostly the host
 (building and launching a pass's kernels), so the worker's other threads' Python (claims,
 chat templates, writes, the metrics server) runs inside the decode step's time. py-spy
 ``record --gil`` samples only the thread that holds the lock: a thread's samples over a
-window's seconds are its share of the lock.
+window's seconds are its share of the lock. (On an H100 it found the decode thread
+holding the lock on the line of its ``mx.async_eval`` launch too, though MLX's binding
+lets it go there: docs/benchmarks.md.)
 
     python ops/bench_priority.py --parts turns --gil DIR ...   # one file per window
     python ops/gil_sample.py DIR [--frames 12]                 # the tables again
