@@ -117,22 +117,31 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     return "\n".join(rows)
 
 
-def _parts(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
-    """Decode steps' parts (the model pass's graph, the sampler's, the launch, the wait for
-    the last step: host work or the device's) by whether the step had sampled rows, with
-    the time the thread spent off the CPU in them (total, and mean a part) where the trace
-    has it. A part ends before its step's line."""
-    out: dict[str, Tally] = {}
+def _steps(
+    lines: Sequence[dict[str, Any]],
+) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Each decode step of a shape seen before, with its traced parts (a part ends before
+    its step's line; a first-token pass's parts are its own, not the next step's)."""
     pending: list[dict[str, Any]] = []
     for x in lines:
         if x.get("part"):
             pending.append(x)
         elif x["stage"] in ("decode", "first_token"):
             if x["stage"] == "decode" and "sampled" in x and not x.get("new"):
-                kind = "some sampled" if x["sampled"] else "all greedy"
-                for p in pending:
-                    out.setdefault(f"  {kind}: {p['stage']}", Tally()).add(p)
+                yield x, pending
             pending = []
+
+
+def _parts(lines: Sequence[dict[str, Any]]) -> dict[str, Tally]:
+    """Decode steps' parts (the model pass's graph, the sampler's, the launch, the wait for
+    the last step: host work or the device's) by whether the step had sampled rows, with
+    the time the thread spent off the CPU in them (total, and mean a part) where the trace
+    has it."""
+    out: dict[str, Tally] = {}
+    for x, parts in _steps(lines):
+        kind = "some sampled" if x["sampled"] else "all greedy"
+        for p in parts:
+            out.setdefault(f"  {kind}: {p['stage']}", Tally()).add(p)
     return dict(sorted(out.items()))
 
 
@@ -143,14 +152,10 @@ def _waits(lines: Sequence[dict[str, Any]], least: int = 20) -> list[str]:
     took longer than the host: e.g. a 65th row, which doubles every 4-bit product's tiles
     on MLX's CUDA backend."""
     got: dict[tuple[int, int], list[float]] = {}
-    wait = None
-    for x in lines:
-        if x.get("part") and x["stage"] == "wait":
-            wait = x["ms"]
-        elif x["stage"] == "decode":
-            if wait is not None and "rows" in x and not x.get("new"):
-                got.setdefault((x["rows"], min(x.get("sampled", 0), 1)), []).append(wait)
-            wait = None
+    for x, parts in _steps(lines):
+        for p in parts:
+            if p["stage"] == "wait" and "rows" in x:
+                got.setdefault((x["rows"], min(x["sampled"], 1)), []).append(p["ms"])
     out = []
     for (n, sampled), w in sorted(got.items()):
         if len(w) >= least:
