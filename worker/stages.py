@@ -130,7 +130,7 @@ class Stages:
             line["ms"] = round(1000 * (time.perf_counter() - start), 3)
             # This thread's CPU time in the part: the rest it spent blocked, waiting for
             # the interpreter's lock (MLX gives it up while it launches) or on a lock of
-            # MLX's own, where a host-bound step loses time to the worker's other threads.
+            # MLX's own (on an H100, 0.04-0.06 ms a part at the mean: docs/benchmarks.md).
             line["cpu_ms"] = round(1000 * (time.thread_time() - cpu), 3)
             if self._trace is not None:
                 self._trace.write(json.dumps(line) + "\n")
