@@ -10,6 +10,8 @@ sampler, its detokenizers and deltas), with no Redis and no helper thread, in ro
   greedy   ``--rows`` greedy jobs (a sweep's batch)
   chat     the same, with one chat job beside them (seeded, temperature 0.7)
   wider    the same, with one more greedy job instead (the row count alone)
+  unseeded (``--phases``) the chat job with no seed: MLX's random noise, not the seeded
+           row's keys and hash
 
 Each phase steps ``--settle`` times untimed after its row joined or left, then times
 ``--steps`` steps. Steps of a phase where a row ended (an end of sequence) are left out.
@@ -38,6 +40,11 @@ from mlxq.worker.engine import Engine
 from mlxq.worker.jobs import Job, apply_deltas
 
 PHASES = ("greedy", "chat", "wider")
+EXTRA = {
+    "chat": {"temperature": 0.7, "seed": True},
+    "unseeded": {"temperature": 0.7},
+    "wider": {"temperature": 0.0},
+}
 
 
 def job(engine: Engine, name: str, tokens: int, **sampling: object) -> Job:
@@ -63,20 +70,21 @@ def steps_ms(engine: Engine, n: int) -> list[float]:
 
 def run(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
     engine = Engine.load(model, max_batch=args.rows + 2, prompt_cache_bytes=0)
-    per_round = (len(PHASES) + 1) * (args.settle + args.steps)
+    per_round = (len(args.phases) + 1) * (args.settle + args.steps)
     budget = args.rounds * per_round + args.settle + 64
     sweep = [job(engine, f"sweep {i}", budget, temperature=0.0) for i in range(args.rows)]
     engine.add(sweep)
     for _ in range(args.settle):
         apply_deltas(engine.step())
-    got: dict[str, list[float]] = {p: [] for p in PHASES}
+    got: dict[str, list[float]] = {p: [] for p in args.phases}
     for r in range(args.rounds):
-        for phase in PHASES:
+        for phase in args.phases:
             extra = None
-            if phase == "chat":
-                extra = job(engine, f"chat {r}", budget, temperature=0.7, seed=r)
-            elif phase == "wider":
-                extra = job(engine, f"more {r}", budget, temperature=0.0)
+            if phase in EXTRA:
+                sampling = dict(EXTRA[phase])
+                if sampling.pop("seed", False):
+                    sampling["seed"] = r
+                extra = job(engine, f"{phase} {r}", budget, **sampling)
             if extra is not None:
                 engine.add([extra])
             for _ in range(args.settle):
@@ -90,22 +98,23 @@ def run(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
                     apply_deltas(engine.step())
         print(
             f"round {r + 1}: "
-            + ", ".join(f"{p} {got[p][-1]:.2f}" if got[p] else f"{p} -" for p in PHASES),
+            + ", ".join(f"{p} {got[p][-1]:.2f}" if got[p] else f"{p} -" for p in args.phases),
             flush=True,
         )
     return got
 
 
 def report(got: dict[str, list[float]], rows: int) -> str:
+    """Each phase's median of rounds, and what it costs over the greedy phase."""
     base = statistics.median(got["greedy"]) if got["greedy"] else None
     lines = [f"engine steps, ms at the median of each phase; median of rounds ({rows} rows)"]
-    for p in PHASES:
+    for p in got:
         if not got[p]:
-            lines.append(f"  {p:<7} -")
+            lines.append(f"  {p:<8} -")
             continue
         m = statistics.median(got[p])
         over = "" if base is None or p == "greedy" else f"  ({m - base:+.2f} over greedy)"
-        lines.append(f"  {p:<7} {m:.2f}{over}   rounds: {' '.join(f'{x:.2f}' for x in got[p])}")
+        lines.append(f"  {p:<8} {m:.2f}{over}   rounds: {' '.join(f'{x:.2f}' for x in got[p])}")
     return "\n".join(lines)
 
 
@@ -116,8 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=62, help="the sweep's greedy rows (62)")
     ap.add_argument("--steps", type=int, default=100, help="timed steps a phase (100)")
     ap.add_argument("--settle", type=int, default=8, help="untimed steps after a change (8)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of the three phases (5)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the phases (5)")
+    ap.add_argument(
+        "--phases",
+        type=lambda v: tuple(p for p in v.split(",") if p),
+        default=PHASES,
+        help=f"comma-separated, run in this order each round (default {','.join(PHASES)}; "
+        f"also: unseeded)",
+    )
     args = ap.parse_args(argv)
+    bad = [p for p in args.phases if p != "greedy" and p not in EXTRA]
+    if bad or "greedy" not in args.phases:
+        ap.error(f"--phases {','.join(args.phases)!r}: want greedy and any of {', '.join(EXTRA)}")
     if min(args.rows, args.steps, args.rounds) < 1 or args.settle < 0:
         ap.error("--rows, --steps and --rounds must be >= 1, --settle >= 0")
     with tempfile.TemporaryDirectory() as work:
