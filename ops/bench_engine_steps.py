@@ -15,6 +15,9 @@ sampler, its detokenizers and deltas), with no Redis and no helper thread, in ro
 
 Each phase steps ``--settle`` times untimed after its row joined or left, then times
 ``--steps`` steps. Steps of a phase where a row ended (an end of sequence) are left out.
+With ``MLXQ_TRACE_STAGES=FILE`` set, it also prints each phase's decode step parts (the
+model pass's graph, the sampler's, the launch, the wait for the last step's tokens: see
+``mlxq.worker.stages``), ms at the mean over its timed steps: the host's share apart.
 
     python ops/bench_engine_steps.py --shape 0.5b             # a GPU: the worker's 0.5B shape
     python ops/bench_engine_steps.py --model DIR --rows 62    # any mlx-lm model
@@ -24,6 +27,8 @@ Each phase steps ``--settle`` times untimed after its row joined or left, then t
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +43,7 @@ from procs import MLXQ
 from mlxq.producer.params import GenerationRequest, SamplingParams
 from mlxq.worker.engine import Engine
 from mlxq.worker.jobs import Job, apply_deltas
+from mlxq.worker.stages import TRACE_ENV
 
 PHASES = ("greedy", "chat", "wider")
 EXTRA = {
@@ -68,7 +74,11 @@ def steps_ms(engine: Engine, n: int) -> list[float]:
     return out if engine.active == before else []
 
 
-def run(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
+#: Each phase's timed windows (perf_counter start, end): the trace's parts are read in them.
+Windows = dict[str, list[tuple[float, float]]]
+
+
+def run(args: argparse.Namespace, model: str, windows: Windows) -> dict[str, list[float]]:
     engine = Engine.load(model, max_batch=args.rows + 2, prompt_cache_bytes=0)
     per_round = (len(args.phases) + 1) * (args.settle + args.steps)
     budget = args.rounds * per_round + args.settle + 64
@@ -89,9 +99,11 @@ def run(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
                 engine.add([extra])
             for _ in range(args.settle):
                 apply_deltas(engine.step())
+            start = time.perf_counter()
             times = steps_ms(engine, args.steps)
             if times:
                 got[phase].append(statistics.median(times))
+                windows.setdefault(phase, []).append((start, time.perf_counter()))
             if extra is not None:
                 engine.remove([extra])
                 for _ in range(args.settle):
@@ -101,6 +113,7 @@ def run(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
             + ", ".join(f"{p} {got[p][-1]:.2f}" if got[p] else f"{p} -" for p in args.phases),
             flush=True,
         )
+    engine.counters.stages.close()  # its trace, written out for :func:`parts`
     return got
 
 
@@ -116,6 +129,22 @@ def report(got: dict[str, list[float]], rows: int) -> str:
         over = "" if base is None or p == "greedy" else f"  ({m - base:+.2f} over greedy)"
         lines.append(f"  {p:<8} {m:.2f}{over}   rounds: {' '.join(f'{x:.2f}' for x in got[p])}")
     return "\n".join(lines)
+
+
+def parts(trace: Path, windows: Windows, steps: int) -> str:
+    """Each phase's decode step parts from the stage trace, ms a step at the mean."""
+    lines = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
+    names = ("graph", "sample", "launch", "wait")
+    out = ["decode step parts, ms a step at the mean (the stage trace)"]
+    out.append("  phase    " + " ".join(f"{n:>7}" for n in names))
+    for phase, spans in windows.items():
+        ms = dict.fromkeys(names, 0.0)
+        for x in lines:
+            if x.get("part") and x["stage"] in ms and any(a <= x["t"] < b for a, b in spans):
+                ms[x["stage"]] += x["ms"]
+        n = steps * len(spans)
+        out.append(f"  {phase:<8} " + " ".join(f"{ms[k] / n:7.3f}" for k in names))
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,7 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 subprocess.run([sys.executable, "-c", code, model, args.shape], check=True)
             else:
                 subprocess.run([str(MLXQ), "model", "tiny", model], check=True, capture_output=True)
-        print(report(run(args, model), args.rows))
+        windows: Windows = {}
+        print(report(run(args, model, windows), args.rows))
+        trace = os.environ.get(TRACE_ENV)
+        if trace and Path(trace).exists():
+            print(parts(Path(trace), windows, args.steps))
     return 0
 
 
