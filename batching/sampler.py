@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxq.batching.seeded import Keys, first_key, hash_gumbel, second_key, second_keys, token_ids
 from mlxq.producer.params import SamplingParams
 
 #: Candidates kept per row before the cut (raised to the largest top_k in the batch).
@@ -56,29 +57,6 @@ def default_num_candidates() -> int:
     return 0 if mx.default_device().type == mx.DeviceType.gpu else NUM_CANDIDATES
 
 
-_M1, _M2, _GOLD = (mx.array(c, dtype=mx.uint32) for c in (0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9))
-_BELOW_ONE = mx.array(1.0 - 2.0**-24, dtype=mx.float32)  # the largest float32 under 1
-
-
-def _fmix32(h: mx.array) -> mx.array:
-    # murmur3's finalizer: a bijection on uint32 in which every input bit
-    # flips about half the output bits, so neighbouring counters look unrelated.
-    h = (h ^ (h >> 16)) * _M1
-    h = (h ^ (h >> 13)) * _M2
-    return h ^ (h >> 16)
-
-
-@mx.compile
-def _hash_gumbel(tokens: mx.array, key1: mx.array, key2: mx.array) -> mx.array:
-    # Compiled so the ~12 integer ops fuse into one pass: as fast as mx.random.gumbel.
-    h = _fmix32(_fmix32(tokens ^ key1) + key2)
-    # In (0, 1): the largest of the 2**24 values, (2**24 - 0.5) / 2**24, rounds to 1.0 in
-    # float32, whose noise would be +inf and win the draw even for a token of probability
-    # 0 (one a constraint masked out); it is held just below 1.
-    u = mx.minimum(((h >> 8).astype(mx.float32) + 0.5) * (2.0**-24), _BELOW_ONE)
-    return -mx.log(-mx.log(u))
-
-
 @dataclass(frozen=True, slots=True)
 class RowParams:
     """Per-row sampling parameters for one batch composition, built once.
@@ -90,7 +68,8 @@ class RowParams:
 
     Attributes:
         temperature, top_p, top_k, min_p: As in :class:`SamplingParams`.
-        seed_lo, seed_hi: The seed's low and high 32 bits (0 for unseeded rows).
+        seed_hi: The seed's high 32 bits (0 for unseeded rows).
+        key1: A seeded row's first key, a function of its seed alone (0 unseeded).
         seeded: Which sampled rows carry a seed.
         greedy: (B,) which batch rows take the argmax.
         all_greedy, homogeneous: Every row greedy; every row one
@@ -106,8 +85,8 @@ class RowParams:
     min_p: mx.array
     inv_temperature: mx.array  # 1 / temperature and log(min_p) taken on the host in float64,
     log_min_p: mx.array  # as mlx-lm does, so thresholds round the same way
-    seed_lo: mx.array
     seed_hi: mx.array
+    key1: mx.array
     seeded: mx.array
     greedy: mx.array
     plain: mx.array  # sampled rows that take the plain argmax (greedy rows riding along)
@@ -119,6 +98,10 @@ class RowParams:
     max_top_k: int
     sampled: tuple[SamplingParams, ...]  # host copy, to build row subsets without a sync
     sampled_rows: mx.array
+    sampled_idx: tuple[int, ...]  # the same on the host
+    #: (sampled row, seed, key1) of each seeded row: its second key is made on the host
+    #: from its position, when the caller knows it (:func:`sample`).
+    seeded_keys: tuple[tuple[int, int, int], ...]
     greedy_rows: mx.array
     unpermute: mx.array  # concat(greedy, sampled)[unpermute] restores batch order
     wide_rows: tuple[int, ...]  # no filter at all: always drawn over the whole vocabulary
@@ -156,6 +139,7 @@ class RowParams:
         sampled, s_idx = _sampled(params, num_candidates)
         greedy = [p.greedy for p in params]
         seeds = [p.seed or 0 for p in sampled]
+        key1 = [0 if p.seed is None else first_key(p.seed) for p in sampled]
         filters = [(p.top_p < 1, p.min_p > 0, p.top_k > 0) for p in sampled]
         greedy_rows, unpermute = _order(len(params), s_idx)
         return cls(
@@ -167,8 +151,8 @@ class RowParams:
             log_min_p=_column(
                 [math.log(p.min_p) if p.min_p else _NEG_INF for p in sampled], mx.float32
             ),
-            seed_lo=_column([s & 0xFFFFFFFF for s in seeds], mx.uint32),
             seed_hi=_column([s >> 32 for s in seeds], mx.uint32),
+            key1=_column(key1, mx.uint32),
             seeded=_column([p.seed is not None for p in sampled], mx.bool_),
             greedy=mx.array(greedy),
             plain=_column(greedy, mx.bool_) if len(s_idx) == len(params) else mx.array(False),
@@ -180,6 +164,12 @@ class RowParams:
             max_top_k=max([p.top_k for p in sampled], default=0),
             sampled=tuple(sampled),
             sampled_rows=mx.array(s_idx),
+            sampled_idx=tuple(s_idx),
+            seeded_keys=tuple(
+                (i, p.seed, k)
+                for i, (p, k) in enumerate(zip(sampled, key1, strict=True))
+                if p.seed is not None
+            ),
             greedy_rows=greedy_rows,
             unpermute=unpermute,
             wide_rows=tuple(i for i, f in enumerate(filters) if not any(f)),
@@ -227,29 +217,33 @@ def _column(values: Sequence[float | int | bool], dtype: mx.Dtype) -> mx.array:
 def _noise(
     shape: tuple[int, ...],
     tokens: mx.array,
-    positions: mx.array,
-    seed_lo: mx.array,
-    seed_hi: mx.array,
+    key1: mx.array,
+    key2: mx.array,
     seeded: mx.array,
     any_seeded: bool,
     all_seeded: bool,
 ) -> mx.array:
     """Gumbel noise: a hash of (seed, position, token id) for seeded rows, else mx.random
-    (RowParams' columns and flags, so the compiled draw can call it on its inputs)."""
+    (the rows' keys, a column and flags, so the compiled draw can call it on its inputs)."""
     if not any_seeded:
         return mx.random.gumbel(shape)
-    hashed = _hash_gumbel(tokens, *_keys(seed_lo, seed_hi, positions))  # (R, 1) keys
+    hashed = hash_gumbel(tokens, key1, key2)  # (R, 1) keys
     if all_seeded:
         return hashed
     return mx.where(seeded, hashed, mx.random.gumbel(shape))
 
 
-def _keys(seed_lo: mx.array, seed_hi: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
-    """Two 32-bit keys per row, a pure function of (seed, position)."""
-    pos = positions.astype(mx.uint32).reshape(-1, 1)
-    key1 = _fmix32(_fmix32(seed_lo + _GOLD) ^ seed_hi)
-    key2 = _fmix32(key1 ^ _fmix32(pos * _GOLD + seed_hi))
-    return key1, key2
+def _keys(rows: RowParams, positions: mx.array | Sequence[int]) -> Keys | None:
+    """The sampled rows' keys at ``positions`` (one a batch row); None if no row is
+    seeded. Host positions give keys made on the host (:mod:`mlxq.batching.seeded`)."""
+    if not rows.any_seeded:
+        return None
+    if isinstance(positions, mx.array):
+        return rows.key1, second_keys(rows.key1, rows.seed_hi, positions[rows.sampled_rows])
+    key2 = [0] * len(rows.sampled)
+    for i, seed, first in rows.seeded_keys:
+        key2[i] = second_key(first, seed, positions[rows.sampled_idx[i]])
+    return rows.key1, _column(key2, mx.uint32)
 
 
 def _candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
@@ -313,22 +307,23 @@ def _full_top_k(srt: mx.array, top_k: mx.array) -> mx.array:
     return mx.where(on, mx.take_along_axis(srt, at, axis=-1), _NEG_INF)
 
 
-def _draw_wide(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
+def _draw_wide(x: mx.array, rows: RowParams, keys: Keys | None) -> mx.array:
     """Gumbel-max over the whole vocabulary above each row's top_p/top_k/min_p threshold.
 
     top_k is met as a value threshold (the k-th largest log-prob): exact ties at that
     value all stay in, where mlx-lm's argpartition would keep an arbitrary k of them.
     """
     draw = _wide(rows.any_top_p, rows.any_top_k, rows.any_min_p, rows.any_seeded, rows.all_seeded)
+    key1, key2 = keys if keys is not None else (rows.key1, rows.key1)  # unread: no seed
     return draw(
         x,
-        positions,
+        token_ids(x.shape[-1]),
         rows.top_p,
         rows.top_k,
         rows.log_min_p,
         rows.inv_temperature,
-        rows.seed_lo,
-        rows.seed_hi,
+        key1,
+        key2,
         rows.seeded,
         rows.plain,
     )
@@ -347,13 +342,13 @@ def _wide(
 
     def draw(
         x: mx.array,
-        positions: mx.array,
+        tokens: mx.array,
         top_p: mx.array,
         top_k: mx.array,
         log_min_p: mx.array,
         inv_temperature: mx.array,
-        seed_lo: mx.array,
-        seed_hi: mx.array,
+        key1: mx.array,
+        key2: mx.array,
         seeded: mx.array,
         plain: mx.array,
     ) -> mx.array:
@@ -369,8 +364,7 @@ def _wide(
         if any_min_p:  # the row max alone costs ~15% of this draw: taken only if used
             peak = top if top is not None else x.max(axis=-1, keepdims=True)
             floor = mx.maximum(floor, peak + log_min_p)
-        tokens = mx.arange(x.shape[-1], dtype=mx.uint32).reshape(1, -1)
-        g = _noise(x.shape, tokens, positions, seed_lo, seed_hi, seeded, any_seeded, all_seeded)
+        g = _noise(x.shape, tokens, key1, key2, seeded, any_seeded, all_seeded)
         x32 = x.astype(mx.float32)
         z = mx.where(x >= floor, mx.where(plain, x32, x32 * inv_temperature + g), _NEG_INF)
         return mx.argmax(z, axis=-1).astype(mx.uint32)
@@ -381,19 +375,11 @@ def _wide(
 
 
 def _draw_narrow(
-    vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams, positions: mx.array
+    vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams, keys: Keys | None
 ) -> mx.array:
     """Gumbel-max over each row's kept candidates only."""
-    g = _noise(
-        vals.shape,
-        idx,
-        positions,
-        rows.seed_lo,
-        rows.seed_hi,
-        rows.seeded,
-        rows.any_seeded,
-        rows.all_seeded,
-    )
+    key1, key2 = keys if keys is not None else (rows.key1, rows.key1)  # unread: no seed
+    g = _noise(vals.shape, idx, key1, key2, rows.seeded, rows.any_seeded, rows.all_seeded)
     z = mx.where(keep, vals * rows.inv_temperature + g, _NEG_INF)
     pick = mx.argmax(z, axis=-1, keepdims=True)
     return mx.take_along_axis(idx, pick, axis=-1).reshape(-1)
@@ -408,13 +394,13 @@ def _num_candidates(rows: RowParams, vocab: int) -> int:
     return min(vocab, max(min(rows.num_candidates, vocab // 8), rows.max_top_k, 1))
 
 
-def _draw(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
-    """Tokens for an all-sampled (no greedy) set of rows."""
+def _draw(x: mx.array, rows: RowParams, keys: Keys | None) -> mx.array:
+    """Tokens for an all-sampled (no greedy) set of rows, with their keys."""
     if not rows.any_filter or not rows.num_candidates:
-        return _draw_wide(x, rows, positions)
+        return _draw_wide(x, rows, keys)
     vals, idx = _candidates(x, _num_candidates(rows, x.shape[-1]))
     keep, settled = _cut(vals, rows)
-    out = _draw_narrow(vals, idx, keep, rows, positions)
+    out = _draw_narrow(vals, idx, keep, rows, keys)
     if rows.needs_sync:
         # The one host sync: which rows' cut fell beyond the candidates.
         unsettled = tuple(i for i, ok in enumerate(settled.tolist()) if not ok)  # type: ignore[arg-type]
@@ -427,19 +413,21 @@ def _draw(x: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
     ):
         if group:
             wide = mx.array(group)
-            out[wide] = _draw_wide(x[wide], _subset(rows, group), positions[wide])
+            sub = None if keys is None else (keys[0][wide], keys[1][wide])
+            out[wide] = _draw_wide(x[wide], _subset(rows, group), sub)
     return out
 
 
-def sample(logprobs: mx.array, rows: RowParams, positions: mx.array) -> mx.array:
+def sample(logprobs: mx.array, rows: RowParams, positions: mx.array | Sequence[int]) -> mx.array:
     """Draw one token per row, each from its own params' distribution, in one call.
 
     Args:
         logprobs: (B, V) normalized log-probabilities (as mlx-lm's batch hands them).
         rows: The batch's :class:`RowParams`; row i describes ``logprobs[i]``.
-        positions: (B,) integer index of the token each row is generating; only
-            seeded rows read it, so their draw is a function of (seed, position,
-            logits) alone, whatever the batch around them.
+        positions: (B,) integer index of the token each row is generating, an array or
+            host integers (then the seeded rows' keys are made on the host: the
+            worker's way); only seeded rows read it, so their draw is a function of
+            (seed, position, logits) alone, whatever the batch around them.
 
     Returns:
         (B,) uint32 token ids.
@@ -451,9 +439,10 @@ def sample(logprobs: mx.array, rows: RowParams, positions: mx.array) -> mx.array
         raise ValueError(f"logprobs shape {logprobs.shape}: want ({rows.greedy.size}, V)")
     if rows.all_greedy:
         return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+    keys = _keys(rows, positions)
     if rows.greedy_rows.size == 0:
-        return _draw(logprobs, rows, positions)
-    sampled = _draw(logprobs[rows.sampled_rows], rows, positions[rows.sampled_rows])
+        return _draw(logprobs, rows, keys)
+    sampled = _draw(logprobs[rows.sampled_rows], rows, keys)
     if _mostly_greedy(rows.greedy_rows.size, rows.greedy.size):
         # Mostly greedy (a sweep's batch with a chat row or two): every row's argmax, the
         # sampled rows' draws put in their place; no copy of the greedy rows' log-probs,

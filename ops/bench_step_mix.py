@@ -74,7 +74,7 @@ def run(model: Any, rows: int, sampled: int, prompt: int, steps: int, seeded: bo
     def step(i: int) -> list[mx.array]:
         logits = model(batch.next[:, None], cache=batch.caches)[:, -1, :]
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        batch.next = sample(lp, rp, mx.array([prompt + i] * rows))
+        batch.next = sample(lp, rp, [prompt + i] * rows)
         return [batch.next, *batch.arrays()]
 
     return median_ms(step, steps)
@@ -99,7 +99,7 @@ def run_pipelined(
         else:
             logits = model(batch.next[:, None], cache=batch.caches)[:, -1, :]
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        batch.next = sample(lp, rp, mx.array([prompt + i] * rows))
+        batch.next = sample(lp, rp, [prompt + i] * rows)
         mx.async_eval(batch.next)
         return batch.next
 
@@ -162,7 +162,7 @@ def sampler_only(rows: int, sampled: int, kind: str, vocab: int, steps: int) -> 
     x = mx.random.normal((rows, vocab)).astype(mx.bfloat16)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     mx.eval(lp)
-    return median_ms(lambda i: [sample(lp, rp, mx.array([i] * rows))], steps)
+    return median_ms(lambda i: [sample(lp, rp, [i] * rows)], steps)
 
 
 #: (rows, sampled rows, seeded, prompt) for whole steps; the plain 64-row step comes

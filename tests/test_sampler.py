@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxq.batching.sampler import RowParams, sample
+from mlxq.producer.params import MAX_SEED
 from mlxq.producer.params import SamplingParams as SP
 
 MIXED = [
@@ -164,6 +165,47 @@ def test_seeded_row_ignores_its_batch(p: SP) -> None:
         positions = mx.array([pos + 1 + i for i in range(30)] + [pos] + list(range(33)))
         mixed = sample(x, RowParams.from_params([*batch[:30], p, *batch[30:]]), positions)
         assert int(alone[0]) == int(mixed[30])
+
+
+@pytest.mark.parametrize("num_candidates", [1024, 0], ids=["candidates", "full-sort"])
+def test_seeded_keys_made_on_the_host_draw_what_the_device_keys_draw(num_candidates: int) -> None:
+    # The worker hands positions over as host integers and its seeded rows' keys are made
+    # there; given as an array, they are made on the device. The same draws either way, at
+    # seeds and positions past 32 bits' worth of products, greedy rows beside them.
+    x = mx.array(_logprobs(6, 3000, 1.5, seed=7))
+    params = [
+        SP(),
+        SP(temperature=0.7, seed=MAX_SEED),
+        SP(temperature=1.3, top_p=0.9, seed=2**32 + 3),
+        SP(temperature=0.9),
+        SP(temperature=0.5, top_k=40, seed=0),
+        SP(temperature=1.0, min_p=0.05, seed=123456789),
+    ]
+    for rows in (params, params[1:3], [params[1]]):
+        rp = RowParams.from_params(rows, num_candidates)
+        n = len(rows)
+        for pos in ([0] * n, [2**31 + 9] * n, [2**32 - 1 - i for i in range(n)]):
+            seeded = [i for i, p in enumerate(rows) if p.seed is not None]
+            host = np.array(sample(x[:n], rp, pos))[seeded]
+            device = np.array(sample(x[:n], rp, mx.array(pos, dtype=mx.uint32)))[seeded]
+            assert host.tolist() == device.tolist()
+
+
+@pytest.mark.parametrize("num_candidates", [1024, 0], ids=["candidates", "full-sort"])
+def test_seeded_draws_stay_those_of_earlier_releases(num_candidates: int) -> None:
+    # A seeded job's tokens are a function of (seed, position, logits): the same from one
+    # release to the next, however the keys are made (these came from 198a57c's sampler,
+    # whose keys were made on the device).
+    x = mx.array(_logprobs(4, 3000, 1.5, seed=11))
+    params = [
+        SP(temperature=0.7, seed=MAX_SEED),
+        SP(temperature=1.3, top_p=0.9, seed=2**32 + 3),
+        SP(temperature=0.5, top_k=40, seed=0),
+        SP(temperature=1.0, min_p=0.05, seed=123456789),
+    ]
+    rows = RowParams.from_params(params, num_candidates)
+    got = [np.array(sample(x, rows, [t] * 4)).tolist() for t in (0, 5, 2**32 - 1)]
+    assert got == [[1475, 2660, 0, 1113], [117, 1472, 2639, 2903], [2066, 1260, 2639, 805]]
 
 
 def test_seeds_and_positions_change_the_draw() -> None:
