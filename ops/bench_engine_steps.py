@@ -18,6 +18,8 @@ Each phase steps ``--settle`` times untimed after its row joined or left, then t
 With ``MLXQ_TRACE_STAGES=FILE`` set, it also prints each phase's decode step parts (the
 model pass's graph, the sampler's, the launch, the wait for the last step's tokens: see
 ``mlxq.worker.stages``), ms at the mean over its timed steps: the host's share apart.
+``--nodes`` prints each phase's graph of one step (what its launch evaluates) by primitive:
+on a GPU each node but a view is a launch of the host's.
 
     python ops/bench_engine_steps.py --shape 0.5b             # a GPU: the worker's 0.5B shape
     python ops/bench_engine_steps.py --model DIR --rows 62    # any mlx-lm model
@@ -27,15 +29,21 @@ model pass's graph, the sampler's, the launch, the wait for the last step's toke
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+
+import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import MLXQ
@@ -74,11 +82,38 @@ def steps_ms(engine: Engine, n: int) -> list[float]:
     return out if engine.active == before else []
 
 
+@contextmanager
+def launches(graphs: list[str]) -> Iterator[None]:
+    """While open, each ``mx.async_eval`` call's graph, as ``mx.export_to_dot`` writes it,
+    goes to ``graphs`` (the decode step's launch is the largest of a step's calls)."""
+    launch = mx.async_eval
+
+    def spy(*arrays: mx.array) -> None:
+        out = io.StringIO()
+        mx.export_to_dot(out, *arrays)
+        graphs.append(out.getvalue())
+        launch(*arrays)
+
+    mx.async_eval = spy
+    try:
+        yield
+    finally:
+        mx.async_eval = launch
+
+
+def nodes(dot: str) -> Counter[str]:
+    """A graph's nodes by primitive (a compiled kernel as ``Compiled``)."""
+    names = re.findall(r'label ="([A-Za-z0-9_]+)', dot)
+    return Counter("Compiled" if n.startswith("Compiled") else n for n in names)
+
+
 #: Each phase's timed windows (perf_counter start, end): the trace's parts are read in them.
 Windows = dict[str, list[tuple[float, float]]]
 
 
-def run(args: argparse.Namespace, model: str, windows: Windows) -> dict[str, list[float]]:
+def run(
+    args: argparse.Namespace, model: str, windows: Windows, graphs: dict[str, Counter[str]]
+) -> dict[str, list[float]]:
     engine = Engine.load(model, max_batch=args.rows + 2, prompt_cache_bytes=0)
     per_round = (len(args.phases) + 1) * (args.settle + args.steps)
     budget = args.rounds * per_round + args.settle + 64
@@ -99,6 +134,11 @@ def run(args: argparse.Namespace, model: str, windows: Windows) -> dict[str, lis
                 engine.add([extra])
             for _ in range(args.settle):
                 apply_deltas(engine.step())
+            if args.nodes and phase not in graphs:
+                seen: list[str] = []
+                with launches(seen):
+                    apply_deltas(engine.step())
+                graphs[phase] = nodes(max(seen, key=len)) if seen else Counter()
             start = time.perf_counter()
             times = steps_ms(engine, args.steps)
             if times:
@@ -162,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma-separated, run in this order each round (default {','.join(PHASES)}; "
         f"also: unseeded)",
     )
+    ap.add_argument("--nodes", action="store_true", help="each phase's step graph by primitive")
     args = ap.parse_args(argv)
     bad = [p for p in args.phases if p != "greedy" and p not in EXTRA]
     if bad or "greedy" not in args.phases:
@@ -181,7 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 subprocess.run([str(MLXQ), "model", "tiny", model], check=True, capture_output=True)
         windows: Windows = {}
-        print(report(run(args, model, windows), args.rows))
+        graphs: dict[str, Counter[str]] = {}
+        print(report(run(args, model, windows, graphs), args.rows))
+        for phase, count in graphs.items():
+            top = ", ".join(f"{k} {v}" for k, v in count.most_common())
+            print(f"{phase} step's graph: {sum(count.values())} nodes: {top}")
         trace = os.environ.get(TRACE_ENV)
         if trace and Path(trace).exists():
             print(parts(Path(trace), windows, args.steps))
