@@ -54,7 +54,6 @@ class RowSampler:
         self._logits_rows: LogitsRows | None = None
         self._logprob_rows: LogprobRows | None = None
         self._grammar_rows: GrammarRows | None = None
-        self._done: list[int] = []  # each bound row's position at the binding, on the host
         self._calls_bound = 0
         self.calls = 0
 
@@ -97,7 +96,6 @@ class RowSampler:
         self._bound = [self._by_uid[u] for u in self._uids]
         self._calls_bound = 0
         self._params = RowParams.from_params([r.params for r in self._bound])
-        self._done = [r.done for r in self._bound]
         self._logits_rows = None
         tops = [r.top_logprobs for r in self._bound]
         self._logprob_rows = (
@@ -137,7 +135,7 @@ class RowSampler:
         # On the host: the seeded rows' keys are made there (sampler._keys), and only they
         # read a position.
         n = self._calls_bound
-        positions = [d + n for d in self._done] if self._params.any_seeded else ()
+        positions = [r.done + n for r in self._bound] if self._params.any_seeded else ()
         tokens = sample(logprobs, self._params, positions)
         self._calls_bound += 1
         return tokens

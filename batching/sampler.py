@@ -98,10 +98,9 @@ class RowParams:
     max_top_k: int
     sampled: tuple[SamplingParams, ...]  # host copy, to build row subsets without a sync
     sampled_rows: mx.array
-    sampled_idx: tuple[int, ...]  # the same on the host
-    #: (sampled row, seed, key1) of each seeded row: its second key is made on the host
-    #: from its position, when the caller knows it (:func:`sample`).
-    seeded_keys: tuple[tuple[int, int, int], ...]
+    #: (sampled row, batch row, seed, key1) of each seeded row: its second key is made on
+    #: the host from its position, when the caller knows it (:func:`sample`).
+    seeded_keys: tuple[tuple[int, int, int, int], ...]
     greedy_rows: mx.array
     unpermute: mx.array  # concat(greedy, sampled)[unpermute] restores batch order
     wide_rows: tuple[int, ...]  # no filter at all: always drawn over the whole vocabulary
@@ -164,10 +163,9 @@ class RowParams:
             max_top_k=max([p.top_k for p in sampled], default=0),
             sampled=tuple(sampled),
             sampled_rows=mx.array(s_idx),
-            sampled_idx=tuple(s_idx),
             seeded_keys=tuple(
-                (i, p.seed, k)
-                for i, (p, k) in enumerate(zip(sampled, key1, strict=True))
+                (i, b, p.seed, k)
+                for i, (b, p, k) in enumerate(zip(s_idx, sampled, key1, strict=True))
                 if p.seed is not None
             ),
             greedy_rows=greedy_rows,
@@ -233,16 +231,17 @@ def _noise(
     return mx.where(seeded, hashed, mx.random.gumbel(shape))
 
 
-def _keys(rows: RowParams, positions: mx.array | Sequence[int]) -> Keys | None:
-    """The sampled rows' keys at ``positions`` (one a batch row); None if no row is
-    seeded. Host positions give keys made on the host (:mod:`mlxq.batching.seeded`)."""
+def _keys(rows: RowParams, positions: mx.array | Sequence[int]) -> Keys:
+    """The sampled rows' keys at ``positions`` (one a batch row); host positions give keys
+    made on the host (:mod:`mlxq.batching.seeded`). With no row seeded, the zero column
+    twice: the draw reads no key."""
     if not rows.any_seeded:
-        return None
+        return rows.key1, rows.key1
     if isinstance(positions, mx.array):
         return rows.key1, second_keys(rows.key1, rows.seed_hi, positions[rows.sampled_rows])
     key2 = [0] * len(rows.sampled)
-    for i, seed, first in rows.seeded_keys:
-        key2[i] = second_key(first, seed, positions[rows.sampled_idx[i]])
+    for i, b, seed, first in rows.seeded_keys:
+        key2[i] = second_key(first, seed, positions[b])
     return rows.key1, _column(key2, mx.uint32)
 
 
@@ -307,14 +306,13 @@ def _full_top_k(srt: mx.array, top_k: mx.array) -> mx.array:
     return mx.where(on, mx.take_along_axis(srt, at, axis=-1), _NEG_INF)
 
 
-def _draw_wide(x: mx.array, rows: RowParams, keys: Keys | None) -> mx.array:
+def _draw_wide(x: mx.array, rows: RowParams, keys: Keys) -> mx.array:
     """Gumbel-max over the whole vocabulary above each row's top_p/top_k/min_p threshold.
 
     top_k is met as a value threshold (the k-th largest log-prob): exact ties at that
     value all stay in, where mlx-lm's argpartition would keep an arbitrary k of them.
     """
     draw = _wide(rows.any_top_p, rows.any_top_k, rows.any_min_p, rows.any_seeded, rows.all_seeded)
-    key1, key2 = keys if keys is not None else (rows.key1, rows.key1)  # unread: no seed
     return draw(
         x,
         token_ids(x.shape[-1]),
@@ -322,8 +320,7 @@ def _draw_wide(x: mx.array, rows: RowParams, keys: Keys | None) -> mx.array:
         rows.top_k,
         rows.log_min_p,
         rows.inv_temperature,
-        key1,
-        key2,
+        *keys,
         rows.seeded,
         rows.plain,
     )
@@ -375,11 +372,10 @@ def _wide(
 
 
 def _draw_narrow(
-    vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams, keys: Keys | None
+    vals: mx.array, idx: mx.array, keep: mx.array, rows: RowParams, keys: Keys
 ) -> mx.array:
     """Gumbel-max over each row's kept candidates only."""
-    key1, key2 = keys if keys is not None else (rows.key1, rows.key1)  # unread: no seed
-    g = _noise(vals.shape, idx, key1, key2, rows.seeded, rows.any_seeded, rows.all_seeded)
+    g = _noise(vals.shape, idx, *keys, rows.seeded, rows.any_seeded, rows.all_seeded)
     z = mx.where(keep, vals * rows.inv_temperature + g, _NEG_INF)
     pick = mx.argmax(z, axis=-1, keepdims=True)
     return mx.take_along_axis(idx, pick, axis=-1).reshape(-1)
@@ -394,7 +390,7 @@ def _num_candidates(rows: RowParams, vocab: int) -> int:
     return min(vocab, max(min(rows.num_candidates, vocab // 8), rows.max_top_k, 1))
 
 
-def _draw(x: mx.array, rows: RowParams, keys: Keys | None) -> mx.array:
+def _draw(x: mx.array, rows: RowParams, keys: Keys) -> mx.array:
     """Tokens for an all-sampled (no greedy) set of rows, with their keys."""
     if not rows.any_filter or not rows.num_candidates:
         return _draw_wide(x, rows, keys)
@@ -412,9 +408,9 @@ def _draw(x: mx.array, rows: RowParams, keys: Keys | None) -> mx.array:
         tuple(i for i in unsettled if rows.sampled[i].top_p == 1),
     ):
         if group:
-            wide = mx.array(group)
-            sub = None if keys is None else (keys[0][wide], keys[1][wide])
-            out[wide] = _draw_wide(x[wide], _subset(rows, group), sub)
+            wide, sub = mx.array(group), _subset(rows, group)
+            sub_keys = (keys[0][wide], keys[1][wide]) if rows.any_seeded else (sub.key1,) * 2
+            out[wide] = _draw_wide(x[wide], sub, sub_keys)
     return out
 
 

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -54,10 +54,11 @@ from mlxq.worker.jobs import Job, apply_deltas
 from mlxq.worker.stages import TRACE_ENV
 
 PHASES = ("greedy", "chat", "wider")
-EXTRA = {
-    "chat": {"temperature": 0.7, "seed": True},
-    "unseeded": {"temperature": 0.7},
-    "wider": {"temperature": 0.0},
+#: Each phase's extra row's sampling params in round r.
+EXTRA: dict[str, Callable[[int], dict[str, float]]] = {
+    "chat": lambda r: {"temperature": 0.7, "seed": r},
+    "unseeded": lambda r: {"temperature": 0.7},
+    "wider": lambda r: {"temperature": 0.0},
 }
 
 
@@ -126,11 +127,7 @@ def run(
         for phase in args.phases:
             extra = None
             if phase in EXTRA:
-                sampling = dict(EXTRA[phase])
-                if sampling.pop("seed", False):
-                    sampling["seed"] = r
-                extra = job(engine, f"{phase} {r}", budget, **sampling)
-            if extra is not None:
+                extra = job(engine, f"{phase} {r}", budget, **EXTRA[phase](r))
                 engine.add([extra])
             for _ in range(args.settle):
                 apply_deltas(engine.step())
