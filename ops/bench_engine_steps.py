@@ -114,15 +114,16 @@ Windows = dict[str, list[tuple[float, float]]]
 
 def run(
     args: argparse.Namespace, model: str, windows: Windows, graphs: dict[str, Counter[str]]
-) -> dict[str, list[float]]:
+) -> dict[str, list[float | None]]:
     engine = Engine.load(model, max_batch=args.rows + 2, prompt_cache_bytes=0)
+    print("decode pass:", engine.fused.describe() if engine.fused else "mlx-lm's own call")
     per_round = (len(args.phases) + 1) * (args.settle + args.steps)
     budget = args.rounds * per_round + args.settle + 64
     sweep = [job(engine, f"sweep {i}", budget, temperature=0.0) for i in range(args.rows)]
     engine.add(sweep)
     for _ in range(args.settle):
         apply_deltas(engine.step())
-    got: dict[str, list[float]] = {p: [] for p in args.phases}
+    got: dict[str, list[float | None]] = {p: [] for p in args.phases}
     for r in range(args.rounds):
         for phase in args.phases:
             extra = None
@@ -138,33 +139,53 @@ def run(
                 graphs[phase] = nodes(max(seen, key=len)) if seen else Counter()
             start = time.perf_counter()
             times = steps_ms(engine, args.steps)
+            got[phase].append(statistics.median(times) if times else None)
             if times:
-                got[phase].append(statistics.median(times))
                 windows.setdefault(phase, []).append((start, time.perf_counter()))
             if extra is not None:
                 engine.remove([extra])
                 for _ in range(args.settle):
                     apply_deltas(engine.step())
         print(
-            f"round {r + 1}: "
-            + ", ".join(f"{p} {got[p][-1]:.2f}" if got[p] else f"{p} -" for p in args.phases),
+            f"round {r + 1}: " + ", ".join(f"{p} {_ms(got[p][-1])}" for p in args.phases),
             flush=True,
         )
     engine.counters.stages.close()  # its trace, written out for :func:`parts`
     return got
 
 
-def report(got: dict[str, list[float]], rows: int) -> str:
-    """Each phase's median of rounds, and what it costs over the greedy phase."""
-    base = statistics.median(got["greedy"]) if got["greedy"] else None
-    lines = [f"engine steps, ms at the median of each phase; median of rounds ({rows} rows)"]
-    for p in got:
-        if not got[p]:
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def report(got: dict[str, list[float | None]], rows: int) -> str:
+    """Each phase's median of rounds, and what it costs over the greedy phase at the same
+    context. The rows' context grows through a run, and a step's time with it, so a
+    phase's steps are set against the greedy steps of its round and the next, weighed by
+    where it ran between them (the last round has no next: left out of the cost)."""
+    greedy = got.get("greedy", [])
+    names = list(got)
+    lines = [
+        f"engine steps, ms at the median of each phase; median of rounds ({rows} rows); "
+        "cost over greedy at the same context"
+    ]
+    for p in names:
+        values = [x for x in got[p] if x is not None]
+        if not values:
             lines.append(f"  {p:<8} -")
             continue
-        m = statistics.median(got[p])
-        over = "" if base is None or p == "greedy" else f"  ({m - base:+.2f} over greedy)"
-        lines.append(f"  {p:<8} {m:.2f}{over}   rounds: {' '.join(f'{x:.2f}' for x in got[p])}")
+        over = ""
+        if p != "greedy":
+            at = names.index(p) / len(names)
+            costs = [
+                x - (a + (b - a) * at)
+                for x, a, b in zip(got[p], greedy, greedy[1:], strict=False)
+                if x is not None and a is not None and b is not None
+            ]
+            if costs:
+                over = f"  ({statistics.median(costs):+.2f} over greedy)"
+        rounds = " ".join(_ms(x) for x in got[p])
+        lines.append(f"  {p:<8} {statistics.median(values):.2f}{over}   rounds: {rounds}")
     return "\n".join(lines)
 
 
