@@ -133,6 +133,8 @@ class Engine:
             "on" if self.fused is not None else "off",
             "on" if self.fused_prefill else "off",
         )
+        if self.fused is not None:
+            log.info("decode pass: %s", self.fused.describe())
         self.max_context = context_length(model)
         self.vocab_size = vocab_size(model, tokenizer)
         self.tool_format = tool_format(tokenizer)

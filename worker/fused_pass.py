@@ -32,13 +32,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from mlxq.worker import decode_attention, joined_linear
+from mlxq.worker.joined_linear import Joined
 from mlxq.worker.mlx_settings import on_cuda
 from mlxq.worker.model_head import close, head_of
 
@@ -72,6 +75,22 @@ class FusedPass:
     head: Callable[[mx.array], mx.array]
     #: The head's rows in parts of this many (0: one product; :data:`HEAD_ROWS`).
     head_rows: int = 0
+    #: Whether a decode step's attention may run as one kernel a layer
+    #: (:mod:`mlxq.worker.decode_attention`: CUDA only).
+    one_kernel_attention: bool = False
+    #: Each layer's query, key and value projections as one product, and its MLP's gate
+    #: and up projections (:mod:`mlxq.worker.joined_linear`; empty: none joined).
+    qkv: tuple[Joined | None, ...] = ()
+    gate_up: tuple[Joined | None, ...] = ()
+
+    def describe(self) -> str:
+        """What the pass joins and how it attends, for a worker's log."""
+        layers = len(self.inner.layers)
+        return (
+            f"query/key/value joined in {sum(map(bool, self.qkv))} of {layers} layers, "
+            f"gate/up in {sum(map(bool, self.gate_up))}; decode attention "
+            + ("one kernel a layer" if self.one_kernel_attention else "MLX's own")
+        )
 
     def decode(self, tokens: mx.array, caches: list[Any]) -> mx.array:
         """Feed each batch row its next token (``tokens``, one a row, into ``caches``) as
@@ -107,12 +126,16 @@ class FusedPass:
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            qkv = self.qkv[i] if self.qkv else None
+            q, k, v = qkv(x) if qkv else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
             out = [
-                _attend(attn, q[0, s], k[0, s], v[0, s], b, n, c[i], m) for s, b, n, c, m in parts
+                _attend(attn, q[0, s], k[0, s], v[0, s], b, n, c[i], m, self.one_kernel_attention)
+                for s, b, n, c, m in parts
             ]
             h = h + attn.o_proj(out[0] if len(out) == 1 else mx.concatenate(out, axis=1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            gate_up = self.gate_up[i] if self.gate_up else None
+            h = h + (layer.mlp.down_proj(swiglu(*gate_up(x))) if gate_up else layer.mlp(x))
         h = inner.norm(h)
         if width:
             h = h[:, mx.array([*range(rows), rows + (width - 1 if end is None else end)])]
@@ -133,10 +156,19 @@ def head_in_parts(head: Callable[[mx.array], mx.array], h: mx.array, part: int) 
 
 
 def _attend(
-    attn: Any, q: mx.array, k: mx.array, v: mx.array, b: int, n: int, cache: Any, mask: Any
+    attn: Any,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    b: int,
+    n: int,
+    cache: Any,
+    mask: Any,
+    one_kernel: bool = False,
 ) -> mx.array:
     """One part's attention, as the model's own attention module runs it on (b, n) tokens
-    after its projections; returned as (1, b * n, heads x dims)."""
+    after its projections (with ``one_kernel``, a decode step's as one kernel where it
+    can: :mod:`~mlxq.worker.decode_attention`); returned as (1, b * n, heads x dims)."""
     q = q.reshape(b, n, attn.n_heads, -1)
     k = k.reshape(b, n, attn.n_kv_heads, -1)
     v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -148,7 +180,10 @@ def _attend(
     q = attn.rope(q, offset=cache.offset)
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
-    o = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    if one_kernel and decode_attention.usable(q, k, v, mask):
+        o = decode_attention.decode_attention(q, k, v, mask, attn.scale)
+    else:
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     return o.transpose(0, 2, 1, 3).reshape(1, b * n, -1)
 
 
@@ -178,7 +213,42 @@ def fused_pass(model: Any) -> FusedPass | None:
     if not same:
         log.info("fused prefill: %s's fused pass differs from its own calls", name)
         return None
+    if joined_linear.enabled() and (joins := _joins(layers)):
+        one_product = replace(fused, qkv=joins[0], gate_up=joins[1])
+        if _agrees(model, one_product):  # checked the same way, kept only where it agrees
+            fused = one_product
+        else:
+            log.warning("joined projections: %s's pass differs from its own; not used", name)
+    if decode_attention.enabled():
+        one_kernel = replace(fused, one_kernel_attention=True)
+        try:
+            if _agrees(model, one_kernel):
+                return one_kernel
+            log.warning("decode attention: one kernel differs from %s's own; not used", name)
+        except Exception as e:  # the kernel's build, on a toolkit that refuses it
+            log.warning("decode attention: %s: %s; not used", type(e).__name__, e)
     return fused
+
+
+def _joins(layers: list[Any]) -> tuple[tuple[Joined | None, ...], tuple[Joined | None, ...]] | None:
+    """Each layer's joined attention and MLP projections (:mod:`~mlxq.worker.joined_linear`),
+    an MLP's only where its own call is ``down(swiglu(gate, up))`` (checked on one input);
+    None where no layer has any."""
+    qkv = tuple(joined_linear.join_attention(layer.self_attn) for layer in layers)
+    gate_up = tuple(
+        j if (j := joined_linear.join_mlp(layer.mlp)) and _swiglu(layer.mlp, j) else None
+        for layer in layers
+    )
+    if not any(qkv) and not any(gate_up):
+        return None
+    return (qkv if any(qkv) else ()), (gate_up if any(gate_up) else ())
+
+
+def _swiglu(mlp: Any, joined: Joined) -> bool:
+    dims = mlp.gate_proj.weight.shape[1] * 32 // mlp.gate_proj.bits
+    x = mx.random.normal((1, 2, dims), key=mx.random.key(0))
+    x = x.astype(mlp.gate_proj.scales.dtype)
+    return close(mlp(x), mlp.down_proj(swiglu(*joined(x))))
 
 
 def head_rows() -> int:
