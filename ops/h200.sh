@@ -10,6 +10,7 @@
 #                                     ... && bash ops/h200.sh structured
 #                                     ... && bash ops/h200.sh step
 #                                     ... && bash ops/h200.sh engine  (ops/bench_engine_steps.py)
+#                                     ... && bash ops/h200.sh attention  (the decode pass's launches)
 #                                     ... && bash ops/h200.sh fused   (ops/bench_fused.py)
 #                                     ... && bash ops/h200.sh graphs  (MLX's CUDA graph settings)
 #
@@ -28,7 +29,7 @@
 # .gpu/code alone in a later call on the warm machine: what a call carried stays there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"which part: prepare, code, priority, serve, step, engine, fused, graphs or structured"}
+part=${1:?"which part: prepare, code, priority, serve, step, engine, attention, fused, graphs or structured"}
 
 if [ "$part" = prepare ]; then
     # The gateway's and the openai client's wheels (../shared/gpu/README.md's list), then
@@ -80,7 +81,7 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/h200.log"; }
 
 # step, fused and graphs build their model in memory: only the rest read this one (built
 # once per machine, about a minute of device time).
-if [[ "$part" =~ ^(priority|serve|structured|engine)$ ]] && [ ! -f "$MODEL/config.json" ]; then
+if [[ "$part" =~ ^(priority|serve|structured|engine|attention)$ ]] && [ ! -f "$MODEL/config.json" ]; then
     log "building the $SHAPE model into $MODEL"
     # As bench_serve builds it (so it reuses it): end of sequence unreachable, so every
     # unconstrained job runs its max_tokens.
@@ -201,6 +202,22 @@ engine)
     [ "$small" = 1 ] && engine_args=(--steps 10 --rounds 2 --settle 2)
     "$PY" ops/bench_engine_steps.py --model "$MODEL" "${engine_args[@]}" ${ENGINE_ARGS:-} 2>&1 |
         tee "$OUT/engine-steps${TAG:+-$TAG}.log"
+    ;;
+attention)
+    # The decode pass's launches: the one-kernel attention checked against MLX's own and
+    # timed beside it (24 layers' attention a step), then the engine's steps with it, with
+    # the joined projections alone, and with neither (each its own process, the same steps).
+    log "bench_decode_attention"
+    MLXQ_DECODE_ATTENTION=1 "$PY" ops/bench_decode_attention.py 2>&1 | tee "$OUT/decode-attention.log"
+    engine_args=(--phases greedy,chat --rounds 3 --steps 60 --nodes)
+    [ "$small" = 1 ] && engine_args=(--phases greedy,chat --rounds 2 --steps 10 --settle 2)
+    for cfg in "all MLXQ_DECODE_ATTENTION=1" "joins MLXQ_DECODE_ATTENTION=0" \
+        "none MLXQ_DECODE_ATTENTION=0 MLXQ_JOINED_PROJECTIONS=0"; do
+        set -- $cfg
+        log "bench_engine_steps: $*"
+        env "${@:2}" "$PY" ops/bench_engine_steps.py --model "$MODEL" "${engine_args[@]}" 2>&1 |
+            tee "$OUT/engine-$1.log"
+    done
     ;;
 fused)
     # A decode step and a chat row's prefill, two passes against one fused pass
