@@ -1,11 +1,13 @@
 """A check the engine tests run after each step: every batch layer's left padding is what
 the host derives from the tokens each row holds (``mlxq.worker.kv_pack.filter_rows`` and
-``row_copy`` rely on it instead of reading the device)."""
+``row_copy`` rely on it instead of reading the device); and a left-padded batch's caches
+for the decode pass's tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 
@@ -16,3 +18,12 @@ def padding_agrees(engine: Any) -> None:
         if type(c) is BatchKVCache and c.keys is not None and want:
             got = [c._idx - p for p in c.left_padding.tolist()]
             assert got == want, f"layer {layer}: rows hold {got} tokens, the host says {want}"
+
+
+def left_padded_batch(model: Any, prompts: list[list[int]]) -> list[BatchKVCache]:
+    """A batch's caches after a left-padded prefill of ``prompts``."""
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    caches = [BatchKVCache(pads) for _ in model.layers]
+    model(mx.array([[0] * n + p for n, p in zip(pads, prompts, strict=True)]), cache=caches)
+    return caches

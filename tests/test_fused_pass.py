@@ -11,8 +11,9 @@ import pytest
 mlx_lm = pytest.importorskip("mlx_lm")
 
 import mlx.core as mx  # noqa: E402
+from kvcheck import left_padded_batch  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlxq.producer.params import GenerationRequest, SamplingParams  # noqa: E402
 from mlxq.worker.engine import Engine  # noqa: E402
@@ -30,21 +31,12 @@ def loaded(tiny_model):
     return mlx_lm.load(str(tiny_model))
 
 
-def _batch(model, prompts: list[list[int]]) -> list[BatchKVCache]:
-    """A batch's caches after a left-padded prefill of ``prompts``."""
-    width = max(map(len, prompts))
-    pads = [width - len(p) for p in prompts]
-    caches = [BatchKVCache(pads) for _ in model.layers]
-    model(mx.array([[0] * n + p for n, p in zip(pads, prompts, strict=True)]), cache=caches)
-    return caches
-
-
 def test_decode_steps_as_one_sequence_give_the_models_logits(loaded):
     model = loaded[0]
     fused = fused_pass(model)
     assert fused is not None
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
-    theirs, ours = _batch(model, prompts), _batch(model, prompts)
+    theirs, ours = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
     tokens = mx.array([3, 4, 5])
     for _ in range(4):
         want = model(tokens[:, None], cache=theirs)[:, -1, :]
@@ -104,7 +96,7 @@ def test_a_decode_step_of_65_rows_with_the_head_in_parts_gives_the_same_logits(l
     assert fused is not None
     parted = dataclasses.replace(fused, head_rows=64)
     prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(65)]
-    theirs, ours = _batch(model, prompts), _batch(model, prompts)
+    theirs, ours = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
     tokens = mx.arange(65) % 50
     want = fused.decode(tokens, theirs)
     got = parted.decode(tokens, ours)
@@ -116,7 +108,7 @@ def test_a_new_rows_prompt_shares_the_decode_steps_pass(loaded):
     fused = fused_pass(model)
     assert fused is not None
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    theirs, ours = _batch(model, prompts), _batch(model, prompts)
+    theirs, ours = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
     tokens, prompt = mx.array([3, 4]), [20, 21, 22, 23, 24]
     want = model(tokens[:, None], cache=theirs)[:, -1, :]
     new_theirs, new_ours = make_prompt_cache(model), make_prompt_cache(model)

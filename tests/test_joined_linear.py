@@ -11,8 +11,8 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
+from kvcheck import left_padded_batch  # noqa: E402
 from mlx_lm.models import llama, qwen2  # noqa: E402
-from mlx_lm.models.cache import BatchKVCache  # noqa: E402
 
 from mlxq.producer.params import GenerationRequest, SamplingParams  # noqa: E402
 from mlxq.worker import joined_linear  # noqa: E402
@@ -52,14 +52,6 @@ def _llama() -> llama.Model:
     return model
 
 
-def _batch(model, prompts: list[list[int]]) -> list[BatchKVCache]:
-    width = max(map(len, prompts))
-    pads = [width - len(p) for p in prompts]
-    caches = [BatchKVCache(pads) for _ in model.layers]
-    model(mx.array([[0] * n + p for n, p in zip(pads, prompts, strict=True)]), cache=caches)
-    return caches
-
-
 def test_each_part_of_a_joined_product_is_its_own_product_and_the_modules_keep_views():
     model = _qwen2()
     attn = model.layers[0].self_attn
@@ -94,7 +86,7 @@ def test_a_decode_pass_with_joined_projections_gives_the_models_logits(make):
     else:
         assert fused.qkv == ()
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
-    theirs, ours = _batch(model, prompts), _batch(model, prompts)
+    theirs, ours = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
     tokens = mx.array([3, 4, 5])
     for _ in range(4):
         want = model(tokens[:, None], cache=theirs)[:, -1, :]
