@@ -27,3 +27,18 @@ def left_padded_batch(model: Any, prompts: list[list[int]]) -> list[BatchKVCache
     caches = [BatchKVCache(pads) for _ in model.layers]
     model(mx.array([[0] * n + p for n, p in zip(pads, prompts, strict=True)]), cache=caches)
     return caches
+
+
+def decode_matches(model: Any, fused: Any, atol: float) -> tuple[list[Any], list[Any]]:
+    """Four decode steps of three left-padded rows through ``fused`` and through the
+    model's own calls: the same logits each step (within ``atol``). Returns both caches."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
+    theirs, ours = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
+    tokens = mx.array([3, 4, 5])
+    for _ in range(4):
+        want = model(tokens[:, None], cache=theirs)[:, -1, :]
+        got = fused.decode(tokens, ours)
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, atol=atol).item()
+        tokens = mx.argmax(want, axis=-1)
+    return theirs, ours

@@ -11,7 +11,7 @@ import pytest
 mlx_lm = pytest.importorskip("mlx_lm")
 
 import mlx.core as mx  # noqa: E402
-from kvcheck import left_padded_batch  # noqa: E402
+from kvcheck import decode_matches, left_padded_batch  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
@@ -35,15 +35,7 @@ def test_decode_steps_as_one_sequence_give_the_models_logits(loaded):
     model = loaded[0]
     fused = fused_pass(model)
     assert fused is not None
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
-    theirs, ours = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
-    tokens = mx.array([3, 4, 5])
-    for _ in range(4):
-        want = model(tokens[:, None], cache=theirs)[:, -1, :]
-        got = fused.decode(tokens, ours)
-        assert got.shape == want.shape
-        assert mx.allclose(got, want, atol=1e-5).item()
-        tokens = mx.argmax(want, axis=-1)
+    theirs, ours = decode_matches(model, fused, atol=1e-5)
     for a, b in zip(theirs, ours, strict=True):
         assert a._idx == b._idx and mx.array_equal(a.offset, b.offset).item()
         assert mx.allclose(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :], atol=1e-5).item()

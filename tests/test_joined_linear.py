@@ -11,7 +11,7 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from kvcheck import left_padded_batch  # noqa: E402
+from kvcheck import decode_matches  # noqa: E402
 from mlx_lm.models import llama, qwen2  # noqa: E402
 
 from mlxq.producer.params import GenerationRequest, SamplingParams  # noqa: E402
@@ -85,14 +85,7 @@ def test_a_decode_pass_with_joined_projections_gives_the_models_logits(make):
         assert len(fused.qkv) == 2 and all(fused.qkv)
     else:
         assert fused.qkv == ()
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
-    theirs, ours = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
-    tokens = mx.array([3, 4, 5])
-    for _ in range(4):
-        want = model(tokens[:, None], cache=theirs)[:, -1, :]
-        got = fused.decode(tokens, ours)
-        assert mx.allclose(got, want, atol=1e-4).item()
-        tokens = mx.argmax(want, axis=-1)
+    decode_matches(model, fused, atol=1e-4)
 
 
 def test_the_environment_keeps_projections_apart(monkeypatch):
