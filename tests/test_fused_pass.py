@@ -24,6 +24,7 @@ from mlxq.worker.fused_pass import (  # noqa: E402
     head_rows,
 )
 from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
+from mlxq.worker.kv_pack import filter_rows  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,15 @@ def test_decode_steps_as_one_sequence_give_the_models_logits(loaded):
     for a, b in zip(theirs, ours, strict=True):
         assert a._idx == b._idx and mx.array_equal(a.offset, b.offset).item()
         assert mx.allclose(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :], atol=1e-5).item()
+    # One offsets array for every layer, the step's sum computed once; a leave keeps it one.
+    assert all(c.offset is ours[0].offset for c in ours)
+    filter_rows(ours, [0, 2], [6 + 4, 3 + 4])  # rows 0 and 2: their prompts and 4 steps
+    for c in theirs:
+        c.filter([0, 2])
+    assert all(c.offset is ours[0].offset for c in ours)
+    for a, b in zip(theirs, ours, strict=True):
+        assert a._idx == b._idx and mx.array_equal(a.offset, b.offset).item()
+        assert mx.array_equal(a.left_padding, b.left_padding).item()
 
 
 class CountingHead:

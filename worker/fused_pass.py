@@ -136,11 +136,23 @@ class FusedPass:
             x = layer.post_attention_layernorm(h)
             gate_up = self.gate_up[i] if self.gate_up else None
             h = h + (layer.mlp.down_proj(swiglu(*gate_up(x))) if gate_up else layer.mlp(x))
+        share_offsets(caches)
         h = inner.norm(h)
         if width:
             h = h[:, mx.array([*range(rows), rows + (width - 1 if end is None else end)])]
         logits = head_in_parts(self.head, h, self.head_rows)
         return logits[:rows], logits[rows:]
+
+
+def share_offsets(caches: list[Any]) -> None:
+    """Every layer's batch cache given the first's row offsets after a step. Each layer
+    adds the step's tokens to its own copy of the same offsets (mlx-lm's
+    ``update_and_fetch``); shared, the next step's rotary embeddings read one sum, and the
+    others are dropped unevaluated: one launch a step where there were one a layer."""
+    batch = [c for c in caches if type(c) is BatchKVCache]
+    if len(batch) > 1:
+        for c in batch[1:]:
+            c.offset = batch[0].offset
 
 
 def head_in_parts(head: Callable[[mx.array], mx.array], h: mx.array, part: int) -> mx.array:

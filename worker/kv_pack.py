@@ -125,6 +125,9 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     index = mx.array(keep)
     fewest, most = min(held, default=0), max(held, default=0)  # once, not a layer each
     run = _one_run(keep)
+    # Layers that share their offsets (fused_pass.share_offsets) keep sharing one gather;
+    # each original is held here, so no id is reused while the loop runs.
+    offsets: dict[int, tuple[mx.array, mx.array]] = {}
     for c in caches:
         if not _host_padded(c, fewest, most):
             c.filter(keep)
@@ -134,7 +137,9 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
             c.keys, c.values = c.keys[index], c.values[index]
         else:
             c.keys, c.values = c.keys[run[0] : run[1]], c.values[run[0] : run[1]]
-        c.offset, c.left_padding = c.offset[index], c.left_padding[index]
+        if id(c.offset) not in offsets:
+            offsets[id(c.offset)] = (c.offset, c.offset[index])
+        c.offset, c.left_padding = offsets[id(c.offset)][1], c.left_padding[index]
         if cut > 0:
             c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
             c._idx -= cut
