@@ -59,7 +59,8 @@ _SOURCE = """
     const bool* mp = mask + b * mask_strides[0];
     const auto ks = keys_strides[3];
     const auto vs = values_strides[3];
-    float m = -inf;
+    const float none = __int_as_float(0xff800000);  // minus infinity: no key seen yet
+    float m = none;
     float l = 0.f;
     for (int t = lane; t < n; t += 32) {
         if (!mp[t * mask_strides[3]]) {
@@ -87,8 +88,8 @@ _SOURCE = """
         const float m2 = __shfl_xor_sync(0xffffffff, m, off);
         const float l2 = __shfl_xor_sync(0xffffffff, l, off);
         const float mn = fmaxf(m, m2);
-        const float c1 = (m == -inf) ? 0.f : __expf(m - mn);
-        const float c2 = (m2 == -inf) ? 0.f : __expf(m2 - mn);
+        const float c1 = (m == none) ? 0.f : __expf(m - mn);
+        const float c2 = (m2 == none) ? 0.f : __expf(m2 - mn);
         l = l * c1 + l2 * c2;
 #pragma unroll
         for (int d = 0; d < D; ++d) {
