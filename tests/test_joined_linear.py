@@ -13,6 +13,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from kvcheck import decode_matches  # noqa: E402
 from mlx_lm.models import llama, qwen2  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlxq.producer.params import GenerationRequest, SamplingParams  # noqa: E402
 from mlxq.worker import joined_linear  # noqa: E402
@@ -73,19 +74,32 @@ def test_projections_of_other_quantizations_or_none_are_not_joined():
     q = nn.QuantizedLinear(64, 64, group_size=32, bits=4)
     k = nn.QuantizedLinear(64, 32, group_size=64, bits=4)
     assert joined_linear.join([q, k]) is None
+    attn = _qwen2().layers[0].self_attn  # a bias on some parts only: left apart
+    del attn.k_proj["bias"]
+    assert joined_linear.join_attention(attn) is None
 
 
 @pytest.mark.parametrize("make", [_qwen2, _llama], ids=["qwen2", "llama"])
 def test_a_decode_pass_with_joined_projections_gives_the_models_logits(make):
+    """Three left-padded rows decoding four tokens, then a new row's prompt in the same
+    pass: the logits of the model's own calls."""
     model = make()
     fused = fused_pass(model)
     assert fused is not None
     assert len(fused.gate_up) == 2 and all(fused.gate_up)
-    if make is _qwen2:  # biased parts: joined; llama's bare ones would be copied apart
-        assert len(fused.qkv) == 2 and all(fused.qkv)
-    else:
-        assert fused.qkv == ()
-    decode_matches(model, fused, atol=1e-4)
+    assert len(fused.qkv) == 2 and all(fused.qkv)
+    # Qwen2's biased parts come out as three; Llama's bare queries and keys as one part,
+    # for one rotary embedding over both.
+    want = (64, 32, 32) if make is _qwen2 else (96, 32)
+    assert all(j.widths == want for j in fused.qkv)
+    theirs, ours = decode_matches(model, fused, atol=1e-4)
+    tokens, prompt = mx.array([3, 4, 5]), [20, 21, 22, 23, 24]
+    new_theirs, new_ours = make_prompt_cache(model), make_prompt_cache(model)
+    want_rows = model(tokens[:, None], cache=theirs)[:, -1, :]
+    want_new = model(mx.array([prompt]), cache=new_theirs)[:, -1, :]
+    got_rows, got_new = fused(tokens, ours, prompt, new_ours)
+    assert mx.allclose(got_rows, want_rows, atol=1e-4).item()
+    assert mx.allclose(got_new, want_new, atol=1e-4).item()
 
 
 def test_the_environment_keeps_projections_apart(monkeypatch):
@@ -110,11 +124,13 @@ def test_an_mlp_that_is_not_swiglu_keeps_its_own_call():
     assert fused is not None and fused.gate_up == ()
 
 
-def test_an_engine_with_joined_projections_emits_mlx_lms_tokens(tiny_model):
-    """The tiny model's tokenizer over a quantized Qwen2-shaped model: greedy and seeded
-    rows joining a busy batch and leaving it, the same tokens as mlx-lm's own call."""
+@pytest.mark.parametrize("make", [_qwen2, _llama], ids=["qwen2", "llama"])
+def test_an_engine_with_joined_projections_emits_mlx_lms_tokens(tiny_model, make):
+    """The tiny model's tokenizer over quantized Qwen2- and Llama-shaped models: greedy
+    and seeded rows joining a busy batch and leaving it, the same tokens as mlx-lm's own
+    call."""
     _, tok = mlx_lm.load(str(tiny_model))
-    model = _qwen2()
+    model = make()
     reqs = {
         "g0": GenerationRequest(prompt="Hi", max_tokens=9),
         "g1": GenerationRequest(prompt="The harbour at dawn", max_tokens=14),

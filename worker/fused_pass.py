@@ -127,9 +127,25 @@ class FusedPass:
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             qkv = self.qkv[i] if self.qkv else None
-            q, k, v = qkv(x) if qkv else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+            k: mx.array | None
+            if qkv is None:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            elif len(qkv.widths) == 2:  # queries and keys as one part (joined_linear)
+                (q, v), k = qkv(x), None
+            else:
+                q, k, v = qkv(x)
             out = [
-                _attend(attn, q[0, s], k[0, s], v[0, s], b, n, c[i], m, self.one_kernel_attention)
+                _attend(
+                    attn,
+                    q[0, s],
+                    None if k is None else k[0, s],
+                    v[0, s],
+                    b,
+                    n,
+                    c[i],
+                    m,
+                    self.one_kernel_attention,
+                )
                 for s, b, n, c, m in parts
             ]
             h = h + attn.o_proj(out[0] if len(out) == 1 else mx.concatenate(out, axis=1))
@@ -170,7 +186,7 @@ def head_in_parts(head: Callable[[mx.array], mx.array], h: mx.array, part: int) 
 def _attend(
     attn: Any,
     q: mx.array,
-    k: mx.array,
+    k: mx.array | None,
     v: mx.array,
     b: int,
     n: int,
@@ -180,17 +196,24 @@ def _attend(
 ) -> mx.array:
     """One part's attention, as the model's own attention module runs it on (b, n) tokens
     after its projections (with ``one_kernel``, a decode step's as one kernel where it
-    can: :mod:`~mlxq.worker.decode_attention`); returned as (1, b * n, heads x dims)."""
-    q = q.reshape(b, n, attn.n_heads, -1)
-    k = k.reshape(b, n, attn.n_kv_heads, -1)
+    can: :mod:`~mlxq.worker.decode_attention`); returned as (1, b * n, heads x dims).
+    With ``k`` None, ``q`` holds the queries and the keys as one part (joined projections
+    with nothing between them and the rotary embedding): one embedding for both."""
     v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if (q_norm := getattr(attn, "q_norm", None)) is not None:
-        q = q_norm(q)
-    if (k_norm := getattr(attn, "k_norm", None)) is not None:
-        k = k_norm(k)
-    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-    q = attn.rope(q, offset=cache.offset)
-    k = attn.rope(k, offset=cache.offset)
+    if k is None:
+        qk = q.reshape(b, n, attn.n_heads + attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        qk = attn.rope(qk, offset=cache.offset)
+        q, k = qk[:, : attn.n_heads], qk[:, attn.n_heads :]
+    else:
+        q = q.reshape(b, n, attn.n_heads, -1)
+        k = k.reshape(b, n, attn.n_kv_heads, -1)
+        if (q_norm := getattr(attn, "q_norm", None)) is not None:
+            q = q_norm(q)
+        if (k_norm := getattr(attn, "k_norm", None)) is not None:
+            k = k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        q = attn.rope(q, offset=cache.offset)
+        k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
     if one_kernel and decode_attention.usable(q, k, v, mask):
         o = decode_attention.decode_attention(q, k, v, mask, attn.scale)

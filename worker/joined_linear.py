@@ -10,11 +10,12 @@ part of the product is the part's own product.
 
 What it saves. The gate and up projections: one launch a layer (the MLP's activation
 reads the two halves in place). The query, key and value projections: two launches a
-layer where each part has a bias of its own, added as it is split off (the add writes
-each part out whole, as the rotary embedding wants it), or where queries and keys are
-normalized before the rotary embedding (Qwen3's ``q_norm`` and ``k_norm``); otherwise the
-rotary embedding would copy the queries and keys out of the joined product, the two
-launches saved, so those stay three products.
+layer. Where each part has a bias of its own, it is added as the part is split off (the
+add writes each part out whole, as the rotary embedding wants it); where queries and keys
+are normalized before the rotary embedding (Qwen3's ``q_norm`` and ``k_norm``), the norms
+write them out whole. Otherwise (Llama, Mistral) queries and keys stay one part, and the
+fused pass runs one rotary embedding over both: MLX's CUDA ``RoPE`` copies a strided
+input out first, once for the two instead of once each.
 
 Memory. The joined arrays are the only copy: the model's own projections keep views of
 their rows (its own calls, the prefill's, are unchanged).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -120,12 +121,21 @@ def join(modules: Sequence[Any]) -> Joined | None:
 
 
 def join_attention(attn: Any) -> Joined | None:
-    """The query, key and value projections of ``attn`` joined, where that saves launches
-    (each has a bias, or queries and keys are normalized first: see the module's doc)."""
-    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-    biased = all(p is not None and "bias" in p for p in parts)
-    normed = all(getattr(attn, n, None) is not None for n in ("q_norm", "k_norm"))
-    return join(parts) if biased or normed else None
+    """The query, key and value projections of ``attn`` joined: three parts where each
+    has a bias or queries and keys are normalized first, else two, queries and keys as
+    one (see the module's doc); None where they differ, or only some have a bias or a norm."""
+    if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
+        return None
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    biased = ["bias" in p for p in parts]
+    normed = [getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")]
+    if any(biased) != all(biased) or any(normed) != all(normed):
+        return None
+    joined = join(parts)
+    if joined is None or all(biased) or all(normed):
+        return joined
+    q, k, v = joined.widths
+    return replace(joined, widths=(q + k, v), biases=(None, None))
 
 
 def join_mlp(mlp: Any) -> Joined | None:
