@@ -108,6 +108,19 @@ def test_the_environment_keeps_projections_apart(monkeypatch):
     assert fused is not None and fused.qkv == () and fused.gate_up == ()
 
 
+def test_joins_that_fail_leave_the_pass_unjoined(monkeypatch, caplog):
+    """A model whose projections cannot be joined (here: the join raises) keeps the fused
+    pass, unjoined, and says why; the worker does not fail to start."""
+
+    def refuse(mlp):
+        raise ValueError("no join here")
+
+    monkeypatch.setattr(joined_linear, "join_mlp", refuse)
+    fused = fused_pass(_qwen2())
+    assert fused is not None and fused.qkv == () and fused.gate_up == ()
+    assert "joined projections: ValueError: no join here; not used" in caplog.text
+
+
 class _GeluMLP(qwen2.MLP):
     def __call__(self, x):
         return self.down_proj(nn.gelu(self.gate_proj(x)) * self.up_proj(x))

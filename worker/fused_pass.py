@@ -248,27 +248,34 @@ def fused_pass(model: Any) -> FusedPass | None:
     if not same:
         log.info("fused prefill: %s's fused pass differs from its own calls", name)
         return None
-    if joined_linear.enabled() and (joins := _joins(layers)):
-        one_product = replace(fused, qkv=joins[0], gate_up=joins[1])
-        if _agrees(model, one_product):  # checked the same way, kept only where it agrees
-            fused = one_product
-        else:
-            log.warning("joined projections: %s's pass differs from its own; not used", name)
+    if joined_linear.enabled():
+        fused = _checked(model, "joined projections", lambda: _joined(fused, layers)) or fused
     if decode_attention.enabled():
         one_kernel = replace(fused, one_kernel_attention=True)
-        try:
-            if _agrees(model, one_kernel):
-                return one_kernel
-            log.warning("decode attention: one kernel differs from %s's own; not used", name)
-        except Exception as e:  # the kernel's build, on a toolkit that refuses it
-            log.warning("decode attention: %s: %s; not used", type(e).__name__, e)
+        fused = _checked(model, "decode attention", lambda: one_kernel) or fused
     return fused
 
 
-def _joins(layers: list[Any]) -> tuple[tuple[Joined | None, ...], tuple[Joined | None, ...]] | None:
-    """Each layer's joined attention and MLP projections (:mod:`~mlxq.worker.joined_linear`),
-    an MLP's only where its own call is ``down(swiglu(gate, up))`` (checked on one input);
-    None where no layer has any."""
+def _checked(model: Any, what: str, make: Callable[[], FusedPass | None]) -> FusedPass | None:
+    """``make()``'s pass where it agrees with the model's own calls, checked as the plain
+    pass is; None where there is none, or where it differs or fails (a warning: the
+    worker goes on with the pass it had)."""
+    try:
+        candidate = make()
+        if candidate is None or _agrees(model, candidate):
+            return candidate
+        log.warning(
+            "%s: %s's pass differs from its own calls; not used", what, type(model).__name__
+        )
+    except Exception as e:  # a layer called otherwise; a kernel a toolkit will not build
+        log.warning("%s: %s: %s; not used", what, type(e).__name__, e)
+    return None
+
+
+def _joined(fused: FusedPass, layers: list[Any]) -> FusedPass | None:
+    """``fused`` with each layer's attention and MLP projections joined
+    (:mod:`~mlxq.worker.joined_linear`), an MLP's only where its own call is
+    ``down(swiglu(gate, up))`` (checked on one input); None where no layer has any."""
     qkv = tuple(joined_linear.join_attention(layer.self_attn) for layer in layers)
     gate_up = tuple(
         j if (j := joined_linear.join_mlp(layer.mlp)) and _swiglu(layer.mlp, j) else None
@@ -276,7 +283,7 @@ def _joins(layers: list[Any]) -> tuple[tuple[Joined | None, ...], tuple[Joined |
     )
     if not any(qkv) and not any(gate_up):
         return None
-    return (qkv if any(qkv) else ()), (gate_up if any(gate_up) else ())
+    return replace(fused, qkv=qkv if any(qkv) else (), gate_up=gate_up if any(gate_up) else ())
 
 
 def _swiglu(mlp: Any, joined: Joined) -> bool:
