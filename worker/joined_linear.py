@@ -126,13 +126,11 @@ def join_attention(attn: Any) -> Joined | None:
     one (see the module's doc); None where they differ, or only some have a bias or a norm."""
     if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
         return None
-    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-    biased = ["bias" in p for p in parts]
     normed = [getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")]
-    if any(biased) != all(biased) or any(normed) != all(normed):
+    if any(normed) != all(normed):
         return None
-    joined = join(parts)
-    if joined is None or all(biased) or all(normed):
+    joined = join([attn.q_proj, attn.k_proj, attn.v_proj])  # None for a bias on some only
+    if joined is None or joined.biases[0] is not None or all(normed):
         return joined
     q, k, v = joined.widths
     return replace(joined, widths=(q + k, v), biases=(None, None))
