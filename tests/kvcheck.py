@@ -12,12 +12,21 @@ from mlx_lm.models.cache import BatchKVCache
 
 
 def padding_agrees(engine: Any) -> None:
+    """Each row's slot (``mlxq.worker.kv_slots``) holds the tokens the host says, by its
+    padding and by its offset; a dead slot sees at least its newest column."""
     gen = engine._gen._generation_batch
     want = [len(t) for t in gen.tokens]
+    slots = [gen.slots.slot(i) for i in range(len(want))]
     for layer, c in enumerate(gen.prompt_cache):
         if type(c) is BatchKVCache and c.keys is not None and want:
-            got = [c._idx - p for p in c.left_padding.tolist()]
+            assert c.keys.shape[0] == gen.slots.width(len(want)), f"layer {layer}: slots"
+            pads = c.left_padding.tolist()
+            got = [c._idx - pads[s] for s in slots]
             assert got == want, f"layer {layer}: rows hold {got} tokens, the host says {want}"
+            offsets = c.offset.tolist()
+            assert [offsets[s] for s in slots] == want, f"layer {layer}: offsets"
+            dead = set(range(len(pads))) - set(slots)
+            assert all(pads[s] < c._idx for s in dead), f"layer {layer}: a dead slot sees none"
 
 
 def left_padded_batch(model: Any, prompts: list[list[int]]) -> list[BatchKVCache]:

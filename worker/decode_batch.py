@@ -22,7 +22,8 @@ from mlxq.batching.logits import apply
 from mlxq.batching.logprobs import LogprobRows, StepLogprobs, TokenLogprob, step_logprobs, to_host
 from mlxq.batching.rows import RowSampler
 from mlxq.worker.fused_pass import FusedPass
-from mlxq.worker.kv_pack import filter_rows, row_cache, schedule_caches
+from mlxq.worker.kv_pack import row_cache, schedule_caches
+from mlxq.worker.kv_slots import Slots
 from mlxq.worker.prompt_cache import MIN_REUSE
 from mlxq.worker.stages import Stages
 
@@ -55,6 +56,12 @@ class StepCounters:
     preemptions: int = 0
     resumes: int = 0
     resume_tokens_recomputed: int = 0
+    #: Rows that joined the decoding batch by writing into the slots of rows that had left
+    #: (:mod:`mlxq.worker.kv_slots`), rows that joined by a copy of every row's caches,
+    #: and the times the batch gathered its live slots, dropping the dead.
+    rows_joined_in_place: int = 0
+    rows_joined_by_copy: int = 0
+    slot_gathers: int = 0
     #: Rows that decoded under a constraint, constraints compiled for this model (each
     #: once, then cached), and milliseconds the decode thread spent filling their masks.
     constrained_rows: int = 0
@@ -164,6 +171,9 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         #: The next step's logits where a pass that also ran a new row's prompt fed the
         #: rows their inputs already (:meth:`fused_step`).
         self._given_logits: mx.array | None = None
+        #: Each row's place in the caches: rows that leave leave their slots dead and rows
+        #: that join write into them (:mod:`mlxq.worker.kv_slots`).
+        self.slots = Slots()
         # Before mlx-lm's constructor, which samples a first step: a batch of new rows
         # counts that step as their ``first_token`` stage, the running batch as ``decode``;
         # a batch that rides takes no step of its own (``riding``).
@@ -181,7 +191,7 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         n = len(self.tokens[idx])  # exactly the tokens its cache holds
         if not self.keep_caches or n < MIN_REUSE:  # a row too short to keep costs nothing
             return []
-        return [row_cache(c, idx, n) for c in self.prompt_cache]
+        return [row_cache(c, self.slots.slot(idx), n) for c in self.prompt_cache]
 
     def next(self) -> list[Any]:
         """mlx-lm 0.32.2's ``next``, but a riding row's first step emits nothing: the
@@ -261,10 +271,13 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             logits, self._given_logits = self._given_logits, None
         elif self._fused is not None:
             with part("graph"):
-                logits = self._fused.decode(inputs, self.prompt_cache)
+                logits = self._fused.decode(
+                    self.slots.feed(inputs), self.prompt_cache, self.slots.rows()
+                )
         else:
             with part("graph"):
-                logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+                out = self.model(self.slots.feed(inputs)[:, None], cache=self.prompt_cache)
+                logits = self.slots.select(out[:, -1, :])
         grammar = sampler.grammar_rows
         if grammar is not None:
             # The forward pass runs while the host reads the fed tokens and fills masks.
@@ -329,7 +342,12 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         assert self._fused is not None
         assert self._given_logits is None and self._first_logits is None
         self._given_logits, new = self._fused(
-            self._next_tokens, self.prompt_cache, prompt, caches, end
+            self.slots.feed(self._next_tokens),
+            self.prompt_cache,
+            prompt,
+            caches,
+            end,
+            keep=self.slots.rows(),
         )
         return new
 
@@ -343,19 +361,19 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
             self._filter(keep)
 
     def _filter(self, keep: list[int]) -> None:
-        # mlx-lm's, but each layer's cache is filtered by filter_rows (its padding known
-        # from the tokens each row holds, not read from the device once a layer).
-        held = [len(self.tokens[i]) for i in keep]
+        # mlx-lm's, but rows that leave leave their slots in the caches dead (kv_slots);
+        # where they are gathered, each layer's padding is known from the tokens each row
+        # holds, not read from the device once a layer (kv_pack.filter_rows).
+        held, rows = [len(self.tokens[i]) for i in keep], len(self.uids)
         caches, self.prompt_cache = self.prompt_cache, []
         try:
             super().filter(keep)  # every per-row list (on no cache)
         finally:
             self.prompt_cache = caches
-        if keep:
-            filter_rows(caches, keep, held)
-            schedule_caches(caches)
-        else:
-            caches.clear()
+        done = self.slots.leave(caches, rows, keep, held)
+        if done in ("gathered", "cut"):
+            schedule_caches(caches)  # the copies apart from the next step
+        self.counters.slot_gathers += done == "gathered"
         self.riding &= set(self.uids)
         if self._history is not None:
             self._history = self._history.select(keep) if keep else None
@@ -373,7 +391,21 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
                 mine = _history(sampler, self.uids, self.tokens, _ints(self._next_tokens))
             else:
                 theirs = _history(sampler, batch.uids, batch.tokens, _ints(batch._next_tokens))
-        super().extend(batch)
+        held, their_held = [len(t) for t in self.tokens], [len(t) for t in batch.tokens]
+        if self.slots.join(self.prompt_cache, held, batch.prompt_cache, their_held):
+            self.counters.rows_joined_in_place += len(their_held)
+            caches, self.prompt_cache, batch.prompt_cache = self.prompt_cache, [], []
+            try:
+                super().extend(batch)  # every per-row list (on no cache)
+            finally:
+                self.prompt_cache = caches
+        else:
+            self.counters.slot_gathers += bool(self.slots.free)
+            self.counters.rows_joined_by_copy += len(their_held) if self.uids else 0
+            self.slots.drop_dead(self.prompt_cache, held)
+            rows = len(self.uids)
+            super().extend(batch)
+            self.slots.appended(rows, len(batch.uids))
         schedule_caches(self.prompt_cache)
         self.riding |= getattr(batch, "riding", set())
         if mine is not None and theirs is not None:

@@ -92,10 +92,11 @@ class FusedPass:
             + ("one kernel a layer" if self.one_kernel_attention else "MLX's own")
         )
 
-    def decode(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+    def decode(self, tokens: mx.array, caches: list[Any], keep: mx.array | None = None) -> mx.array:
         """Feed each batch row its next token (``tokens``, one a row, into ``caches``) as
-        one sequence; return the rows' logits (rows x vocabulary)."""
-        return self(tokens, caches, [], [])[0]
+        one sequence; return the rows' logits (rows x vocabulary; with ``keep``, only
+        those rows', in its order: a batch's live slots, :mod:`mlxq.worker.kv_slots`)."""
+        return self(tokens, caches, [], [], keep=keep)[0]
 
     def __call__(
         self,
@@ -104,12 +105,13 @@ class FusedPass:
         prompt: list[int],
         new_caches: list[Any],
         end: int | None = None,
+        keep: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Feed each batch row its next token (``tokens``, one a row, into ``caches``) and
         the new row its ``prompt`` (into ``new_caches``); return the batch's logits (rows x
-        vocabulary) and the new row's after its prompt's token ``end`` (its last by
-        default; a prompt right-padded to a bucketed width ends before), 1 x vocabulary
-        (0 x vocabulary for no prompt)."""
+        vocabulary; with ``keep``, only those rows', in its order) and the new row's after
+        its prompt's token ``end`` (its last by default; a prompt right-padded to a
+        bucketed width ends before), 1 x vocabulary (0 x vocabulary for no prompt)."""
         rows, width = tokens.shape[0], len(prompt)
         inner = self.inner
         ids = tokens.astype(mx.uint32)
@@ -154,8 +156,12 @@ class FusedPass:
             h = h + (layer.mlp.down_proj(swiglu(*gate_up(x))) if gate_up else layer.mlp(x))
         share_offsets(caches)
         h = inner.norm(h)
-        if width:
-            h = h[:, mx.array([*range(rows), rows + (width - 1 if end is None else end)])]
+        last = rows + (width - 1 if end is None else end)  # the new row's, where width
+        if keep is not None:
+            h = h[:, mx.concatenate([keep, mx.array([last], keep.dtype)]) if width else keep]
+            rows = keep.shape[0]
+        elif width:
+            h = h[:, mx.array([*range(rows), last])]
         logits = head_in_parts(self.head, h, self.head_rows)
         return logits[:rows], logits[rows:]
 

@@ -257,6 +257,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         for u in uids:
             if (i := where.get(u)) is not None:
                 held = list(gen.tokens[i])
-                kept[u] = ([row_copy(c, i, len(held)) for c in gen.prompt_cache], held)
+                slot = gen.slots.slot(i)
+                kept[u] = ([row_copy(c, slot, len(held)) for c in gen.prompt_cache], held)
         self.remove(uids)
         return kept

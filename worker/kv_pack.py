@@ -125,9 +125,16 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     index = mx.array(keep)
     fewest, most = min(held, default=0), max(held, default=0)  # once, not a layer each
     run = _one_run(keep)
-    # Layers that share their offsets (fused_pass.share_offsets) keep sharing one gather;
-    # each original is held here, so no id is reused while the loop runs.
-    offsets: dict[int, tuple[mx.array, mx.array]] = {}
+    # Layers that share their offsets (fused_pass.share_offsets) or their paddings
+    # (kv_slots) keep sharing one gather; each original is held here, so no id is reused
+    # while the loop runs.
+    shared: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def gathered(a: mx.array, cut: int = 0) -> mx.array:
+        if id(a) not in shared:
+            shared[id(a)] = (a, a[index] - cut if cut > 0 else a[index])
+        return shared[id(a)][1]
+
     for c in caches:
         if not _host_padded(c, fewest, most):
             c.filter(keep)
@@ -137,13 +144,10 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
             c.keys, c.values = c.keys[index], c.values[index]
         else:
             c.keys, c.values = c.keys[run[0] : run[1]], c.values[run[0] : run[1]]
-        if id(c.offset) not in offsets:
-            offsets[id(c.offset)] = (c.offset, c.offset[index])
-        c.offset, c.left_padding = offsets[id(c.offset)][1], c.left_padding[index]
+        c.offset, c.left_padding = gathered(c.offset), gathered(c.left_padding, cut)
         if cut > 0:
             c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
             c._idx -= cut
-            c.left_padding = c.left_padding - cut
 
 
 def schedule_caches(caches: list[Any]) -> None:

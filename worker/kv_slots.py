@@ -1,0 +1,204 @@
+"""Rows that keep their place in a decoding batch's KV cache.
+
+Why. mlx-lm's batch cache grows by concatenation and shrinks by a gather: each row that
+joins or leaves copies every layer's keys and values, about a hundred launches on the host
+for a 24-layer model, and the step after it runs on new arrays. Beside a sweep, each chat
+job joins once and leaves once: on an H100 (0.5B shape, 64 rows, the chat rows inside
+them) the joins cost the sweep 0.18 ms a decode step, the leaves 0.05 and the steps just
+after a change 0.17-0.18 more, where the whole of the priority target's allowance is about
+0.55 ms a step (docs/benchmarks.md).
+
+How. A row that leaves leaves its slot (its row of every layer) dead: stale, fed a token
+each step (one gather of the inputs) and its logits never read (one gather of the rows it
+keeps). A row that joins writes its KV into a dead slot, ending where the batch's rows
+end, with the left padding that hides what the slot held before: one write of each
+layer's keys and values, nothing else copied. The batch drops its dead slots (a gather of
+the live ones, as mlx-lm's filter) only when they pass a quarter of its live rows, or
+when rows cannot join in place; and it cuts the columns no live row reaches once there
+are :data:`CUT_COLUMNS` of them, not at every leave. Caches of other kinds (rotating,
+state space) keep mlx-lm's ways: no slot stays dead.
+
+A dead slot's attention still sees at least its newest column (its left padding never
+passes the batch's end), so its stale rows stay finite and never reach a live row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from mlxq.worker.kv_pack import filter_rows
+
+#: Dead slots a batch keeps whatever its size; past it, up to a quarter of its live rows.
+SPARE = 4
+#: Columns before every live row's first token that a leave leaves in place: fewer cost a
+#: few keys of masked attention a step, a cut costs a copy of every layer in the next step.
+CUT_COLUMNS = 32
+
+
+def slotted(caches: Sequence[Any]) -> bool:
+    """Whether every layer is a batch KV cache holding something, whose rows can keep
+    their places."""
+    return bool(caches) and all(type(c) is BatchKVCache and c.keys is not None for c in caches)
+
+
+class Slots:
+    """Where each of a batch's rows lives in its caches, and the slots no row holds.
+
+    ``of[i]`` is row ``i``'s slot (None: row ``i`` in slot ``i``, no slot dead). Rows are
+    in the order of the batch's lists (mlx-lm's: joined rows last); slots are the caches'
+    rows."""
+
+    def __init__(self) -> None:
+        self.of: list[int] | None = None
+        self.free: list[int] = []
+        self._feed: mx.array | None = None
+        self._rows: mx.array | None = None
+
+    def width(self, rows: int) -> int:
+        """The caches' rows for a batch of ``rows`` rows."""
+        return rows + len(self.free)
+
+    def slot(self, row: int) -> int:
+        return row if self.of is None else self.of[row]
+
+    def _set(self, of: list[int] | None, free: list[int]) -> None:
+        if of is not None and not free and of == list(range(len(of))):
+            of = None
+        self.of, self.free = of, free
+        self._feed = self._rows = None
+
+    def feed(self, tokens: mx.array) -> mx.array:
+        """Each row's input (``tokens``, one a row) as one a slot: a dead slot is fed any
+        row's (its output is never read)."""
+        if self.of is None:
+            return tokens
+        if self._feed is None:
+            where = [0] * (len(self.of) + len(self.free))
+            for row, s in enumerate(self.of):
+                where[s] = row
+            self._feed = mx.array(where)
+        return tokens[self._feed]
+
+    def rows(self) -> mx.array | None:
+        """The slots of the rows, in row order, to take a pass's outputs by (None: every
+        slot is its row's)."""
+        if self.of is None:
+            return None
+        if self._rows is None:
+            self._rows = mx.array(self.of)
+        return self._rows
+
+    def select(self, out: mx.array) -> mx.array:
+        """A pass's outputs over the slots (slots x ...) as the rows' (rows x ...)."""
+        rows = self.rows()
+        return out if rows is None else out[rows]
+
+    def clear(self) -> None:
+        self._set(None, [])
+
+    def leave(
+        self, caches: list[Any], rows: int, keep: list[int], held: list[int]
+    ) -> Literal["kept", "cut", "gathered", "cleared"]:
+        """Of ``rows`` rows, rows ``keep`` stay (row ``keep[i]`` holding ``held[i]``
+        tokens) and the others leave their slots dead: the caches are ``kept`` as they
+        are, or ``cut`` (:data:`CUT_COLUMNS`). With too many dead, or caches that cannot
+        keep places, the live slots are ``gathered`` (mlx-lm's filter); with no row kept,
+        the caches are ``cleared``."""
+        if not keep:
+            caches.clear()
+            self.clear()
+            return "cleared"
+        before = list(range(rows)) if self.of is None else self.of
+        kept = set(keep)
+        of = [before[i] for i in keep]
+        freed = [s for i, s in enumerate(before) if i not in kept]
+        dead = len(self.free) + len(freed)
+        if not slotted(caches) or dead > max(SPARE, len(keep) // 4):
+            self._gather(caches, of, held)
+            return "gathered"
+        self._set(of, sorted(self.free + freed))
+        return "cut" if _cut(caches, caches[0]._idx - max(held)) else "kept"
+
+    def drop_dead(self, caches: list[Any], held: list[int]) -> None:
+        """Gather the live slots, each row ``i`` holding ``held[i]`` tokens: no slot dead
+        (before rows join by mlx-lm's concatenation)."""
+        if self.free:
+            assert self.of is not None
+            self._gather(caches, list(self.of), held)
+
+    def _gather(self, caches: list[Any], of: list[int], held: list[int]) -> None:
+        # The live slots in their order in the caches: rows kept in one run stay a slice
+        # (kv_pack._one_run), and row i goes to the place of its slot among them.
+        order = sorted(range(len(of)), key=of.__getitem__)
+        slots = [of[i] for i in order]
+        filter_rows(caches, slots, [held[i] for i in order])
+        place = {s: j for j, s in enumerate(slots)}
+        self._set([place[s] for s in of], [])
+
+    def appended(self, rows: int, n: int) -> None:
+        """``n`` rows joined a batch of ``rows`` by concatenation: theirs are the caches'
+        last slots."""
+        if self.of is not None:
+            self._set([*self.of, *range(rows, rows + n)], [])
+
+    def join(
+        self, ours: list[Any], held: list[int], theirs: list[Any], their_held: list[int]
+    ) -> bool:
+        """Write the rows of ``theirs`` (row j holding ``their_held[j]`` tokens, which end
+        at its ``_idx``) into dead slots of ``ours`` (row i holding ``held[i]``): True if
+        they joined so, their rows after ours; False, nothing changed, if they cannot (too
+        few dead slots, other kinds of cache, or a row longer than ours are)."""
+        n = len(their_held)
+        if not n or n > len(self.free) or len(ours) != len(theirs):
+            return False
+        if not slotted(ours) or not slotted(theirs):
+            return False
+        end, their_end, span = ours[0]._idx, theirs[0]._idx, max(their_held)
+        if min(their_held) < 1 or span > min(end, their_end):
+            return False
+        for c, t in zip(ours, theirs, strict=True):
+            if (
+                c._idx != end
+                or t._idx != their_end
+                or c.keys.dtype != t.keys.dtype
+                or c.keys.shape[1:2] + c.keys.shape[3:] != t.keys.shape[1:2] + t.keys.shape[3:]
+                or c.values.shape[3:] != t.values.shape[3:]
+            ):
+                return False
+        slots, free = self.free[:n], self.free[n:]
+        at: Any = slice(slots[0], slots[0] + 1) if n == 1 else mx.array(slots)
+        cols, their_cols = slice(end - span, end), slice(their_end - span, their_end)
+        for c, t in zip(ours, theirs, strict=True):
+            c.keys[at, :, cols] = t.keys[:, :, their_cols]
+            c.values[at, :, cols] = t.values[:, :, their_cols]
+        of = [*(range(len(held)) if self.of is None else self.of), *slots]
+        # Every row's padding and tokens held, known on the host; a dead slot sees its
+        # newest column only. All layers share both (each layer pads its rows alike).
+        width = len(of) + len(free)
+        pad, count = [end - 1] * width, [1] * width
+        for s, h in zip(of, [*held, *their_held], strict=True):
+            pad[s], count[s] = end - h, h
+        left_padding, offset = mx.array(pad), mx.array(count)
+        for c in ours:
+            c.left_padding, c.offset = left_padding, offset
+        self._set(of, free)
+        return True
+
+
+def _cut(caches: list[Any], cut: int) -> bool:
+    """Cut the first ``cut`` columns of every layer (no live row reaches them) once there
+    are :data:`CUT_COLUMNS` of them; True if it did."""
+    if cut < CUT_COLUMNS:
+        return False
+    shifted: dict[int, tuple[mx.array, mx.array]] = {}  # shared paddings stay shared
+    for c in caches:
+        c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
+        c._idx -= cut
+        if id(c.left_padding) not in shifted:
+            shifted[id(c.left_padding)] = (c.left_padding, c.left_padding - cut)
+        c.left_padding = shifted[id(c.left_padding)][1]
+    return True
