@@ -114,6 +114,9 @@ COUNTERS = (
     "first_tokens_from_prefill",
     "fused_prefills",
     "prefill_shapes",
+    "rows_joined_in_place",
+    "rows_joined_by_copy",
+    "slot_gathers",
 )
 
 
