@@ -156,3 +156,16 @@ def test_many_rows_leaving_are_gathered_out(loaded):
     assert b.engine.counters.slot_gathers == 1
     assert b.gen.slots.free == [] and b.gen.prompt_cache[0].keys.shape[0] == 2
     assert b.run() == _alone(loaded, True, reqs)
+
+
+def test_the_switch_keeps_no_slot_dead(loaded, monkeypatch):
+    """``MLXQ_KV_SLOTS=0``: every leave gathers the rows left, every join copies."""
+    monkeypatch.setenv("MLXQ_KV_SLOTS", "0")
+    reqs = {f"j{i}": _req("Once upon", 3 + i % 4) for i in range(10)}
+    b = Batch(loaded, 4, True)
+    b.add(reqs)
+    got = b.run()
+    c = b.engine.counters
+    assert c.rows_joined_in_place == 0 and c.rows_joined_by_copy > 0
+    assert all(dead == 0 for _, _, dead in b.seen)
+    assert got == _alone(loaded, True, reqs)

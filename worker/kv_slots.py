@@ -16,7 +16,8 @@ layer's keys and values, nothing else copied. The batch drops its dead slots (a 
 the live ones, as mlx-lm's filter) only when they pass a quarter of its live rows, or
 when rows cannot join in place; and it cuts the columns no live row reaches once there
 are :data:`CUT_COLUMNS` of them, not at every leave. Caches of other kinds (rotating,
-state space) keep mlx-lm's ways: no slot stays dead.
+state space) keep mlx-lm's ways: no slot stays dead. ``MLXQ_KV_SLOTS=0`` does the same for
+every cache, to compare the two on one machine.
 
 A dead slot's attention still sees at least its newest column (its left padding never
 passes the batch's end), so its stale rows stay finite and never reach a live row.
@@ -24,6 +25,7 @@ passes the batch's end), so its stale rows stay finite and never reach a live ro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -37,6 +39,12 @@ SPARE = 4
 #: Columns before every live row's first token that a leave leaves in place: fewer cost a
 #: few keys of masked attention a step, a cut costs a copy of every layer in the next step.
 CUT_COLUMNS = 32
+ENV = "MLXQ_KV_SLOTS"
+
+
+def enabled() -> bool:
+    """Whether rows that leave leave their slots dead (``MLXQ_KV_SLOTS``, on unless 0)."""
+    return os.environ.get(ENV, "1").strip() != "0"
 
 
 def slotted(caches: Sequence[Any]) -> bool:
@@ -55,6 +63,7 @@ class Slots:
     def __init__(self) -> None:
         self.of: list[int] | None = None
         self.free: list[int] = []
+        self.keep_places = enabled()
         self._feed: mx.array | None = None
         self._rows: mx.array | None = None
 
@@ -117,7 +126,7 @@ class Slots:
         of = [before[i] for i in keep]
         freed = [s for i, s in enumerate(before) if i not in kept]
         dead = len(self.free) + len(freed)
-        if not slotted(caches) or dead > max(SPARE, len(keep) // 4):
+        if not self.keep_places or not slotted(caches) or dead > max(SPARE, len(keep) // 4):
             self._gather(caches, of, held)
             return "gathered"
         self._set(of, sorted(self.free + freed))
