@@ -82,7 +82,7 @@ bench-priority: install
 
 # ARGS="--sentinel --jobs 2000": a Sentinel-managed Redis, three primary kills under load.
 soak: install
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python ops/soak.py $(ARGS)
+	PATH="$(abspath $(BIN)):$$PATH" MLXQ_KV_SLOTS=$${MLXQ_KV_SLOTS:-1} $(BIN)/python ops/soak.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

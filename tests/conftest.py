@@ -27,6 +27,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # signal is reset to the default in a child, so handle it here.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Rows keep their place in the batch's caches by default on a GPU, not on this CPU
+    # (mlxq.worker.kv_slots): the engines and workers here run the GPU's way;
+    # tests/test_kv_slots.py runs the other.
+    os.environ.setdefault("MLXQ_KV_SLOTS", "1")
 
 
 def _free_port() -> int:

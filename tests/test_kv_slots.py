@@ -12,6 +12,7 @@ from mlxq.producer.params import GenerationRequest, SamplingParams
 
 mlx_lm = pytest.importorskip("mlx_lm")
 
+import mlx.core as mx  # noqa: E402
 from kvcheck import padding_agrees  # noqa: E402
 
 from mlxq.worker.engine import Engine  # noqa: E402
@@ -158,9 +159,16 @@ def test_many_rows_leaving_are_gathered_out(loaded):
     assert b.run() == _alone(loaded, True, reqs)
 
 
-def test_the_switch_keeps_no_slot_dead(loaded, monkeypatch):
-    """``MLXQ_KV_SLOTS=0``: every leave gathers the rows left, every join copies."""
-    monkeypatch.setenv("MLXQ_KV_SLOTS", "0")
+@pytest.mark.parametrize("given", ["0", ""], ids=["off", "cpu-default"])
+def test_no_slot_stays_dead_when_off_and_on_the_cpu(loaded, monkeypatch, given):
+    """``MLXQ_KV_SLOTS=0``, or unset where MLX computes on the CPU: every leave gathers
+    the rows left, every join copies."""
+    if given:
+        monkeypatch.setenv("MLXQ_KV_SLOTS", given)
+    else:
+        monkeypatch.delenv("MLXQ_KV_SLOTS", raising=False)
+        if mx.default_device().type == mx.DeviceType.gpu:
+            pytest.skip("MLX computes on a GPU here: slots are on by default")
     reqs = {f"j{i}": _req("Once upon", 3 + i % 4) for i in range(10)}
     b = Batch(loaded, 4, True)
     b.add(reqs)

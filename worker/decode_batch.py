@@ -242,7 +242,12 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         with self.counters.stages.on(self._stage):
             if self.counters.stages.tracing:  # nothing on the decode step otherwise
                 seen = (rows,) in self.counters.seen
-                self.counters.stages.note(rows=rows, new=not seen, sampled=sampler.sampled_count)
+                self.counters.stages.note(
+                    rows=rows,
+                    new=not seen,
+                    sampled=sampler.sampled_count,
+                    slots=self.slots.width(rows),
+                )
                 self.counters.seen.add((rows,))
             fed = self._first_logits is not None
             out = self._batched_step()

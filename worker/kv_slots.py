@@ -16,8 +16,13 @@ layer's keys and values, nothing else copied. The batch drops its dead slots (a 
 the live ones, as mlx-lm's filter) only when they pass a quarter of its live rows, or
 when rows cannot join in place; and it cuts the columns no live row reaches once there
 are :data:`CUT_COLUMNS` of them, not at every leave. Caches of other kinds (rotating,
-state space) keep mlx-lm's ways: no slot stays dead. ``MLXQ_KV_SLOTS=0`` does the same for
-every cache, to compare the two on one machine.
+state space) keep mlx-lm's ways: no slot stays dead.
+
+Where. On a GPU a dead slot costs next to nothing (on CUDA, rows run in tiles of 64; a
+batch never holds more slots than its most rows). On a CPU every row is computed: there
+the tiny model's decode step took 7% longer with dead slots kept (four runs each way,
+alternating, docs/benchmarks.md), so a batch on the CPU keeps none. ``MLXQ_KV_SLOTS=1``
+or ``0`` chooses either way on any device, to compare the two on one machine.
 
 A dead slot's attention still sees at least its newest column (its left padding never
 passes the batch's end), so its stale rows stay finite and never reach a live row.
@@ -43,8 +48,12 @@ ENV = "MLXQ_KV_SLOTS"
 
 
 def enabled() -> bool:
-    """Whether rows that leave leave their slots dead (``MLXQ_KV_SLOTS``, on unless 0)."""
-    return os.environ.get(ENV, "1").strip() != "0"
+    """Whether rows that leave leave their slots dead: ``MLXQ_KV_SLOTS`` (1 or 0), else
+    where MLX computes on a GPU."""
+    given = os.environ.get(ENV, "").strip()
+    if given in ("0", "1"):
+        return given == "1"
+    return bool(mx.default_device().type == mx.DeviceType.gpu)
 
 
 def slotted(caches: Sequence[Any]) -> bool:
