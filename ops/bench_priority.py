@@ -716,6 +716,8 @@ async def _turns(served: Served, args: argparse.Namespace) -> tuple[list[Turn], 
                     continue  # one more "off" window closes it
                 break
         probes = [f for fs in await asyncio.gather(*chats) for f in fs]
+        info = await asyncio.to_thread(b.w.info)  # the worker's counters since its start
+        print("  worker: " + ", ".join(f"{k} {int(info.get(k, 0)):,}" for k in COUNTERS))
         return turns, probes
     finally:
         for t in chats:

@@ -143,20 +143,36 @@ def test_a_sweep_refills_its_rows_in_place(loaded, one_sequence):
     assert got == _alone(loaded, one_sequence, reqs)
 
 
-def test_many_rows_leaving_are_gathered_out(loaded):
-    reqs = {f"s{i}": _req("Once upon", 2) for i in range(9)} | {
-        "a": _req("The harbour at dawn", 12),
-        "b": _req("Tell me", 12, temperature=0.7, seed=3),
+def test_rows_that_end_together_leave_their_slots_to_the_refill(loaded):
+    """Nine rows end in one step: their slots wait, and the nine that come next join into
+    them. Twelve rows at once, more than the nine dead slots, gather the live ones first
+    and join by a copy."""
+    first = {f"s{i}": _req("Once upon", 2) for i in range(9)} | {
+        "a": _req("The harbour at dawn", 40),
+        "b": _req("Tell me", 40, temperature=0.7, seed=3),
     }
+    refill = {f"r{i}": _req("Gulls", 3, temperature=0.5, seed=i) for i in range(9)}
+    more = {f"m{i}": _req("Hi", 4 + i % 3) for i in range(12)}
     b = Batch(loaded, 16, True)
-    b.add(reqs)
-    b.step()
-    assert len(b.gen.uids) == len(reqs)
-    while len(b.gen.uids) > 2:
-        b.step()
-    assert b.engine.counters.slot_gathers == 1
-    assert b.gen.slots.free == [] and b.gen.prompt_cache[0].keys.shape[0] == 2
-    assert b.run() == _alone(loaded, True, reqs)
+    c = b.engine.counters
+
+    def until(rows: int) -> None:
+        while len(b.gen.uids) != rows:
+            b.step()
+
+    b.add(first)
+    until(len(first))
+    until(2)
+    assert len(b.gen.slots.free) == 9 and b.gen.prompt_cache[0].keys.shape[0] == 11
+    b.add(refill)
+    until(11)
+    assert (c.rows_joined_in_place, c.rows_joined_by_copy, c.slot_gathers) == (9, 0, 0)
+    until(2)
+    b.add(more)
+    until(14)
+    assert (c.rows_joined_in_place, c.rows_joined_by_copy, c.slot_gathers) == (9, 12, 1)
+    assert b.gen.slots.free == [] and b.gen.prompt_cache[0].keys.shape[0] == 14
+    assert b.run() == _alone(loaded, True, first | refill | more)
 
 
 @pytest.mark.parametrize("given", ["0", ""], ids=["off", "cpu-default"])

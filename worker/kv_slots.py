@@ -13,10 +13,14 @@ each step (one gather of the inputs) and its logits never read (one gather of th
 keeps). A row that joins writes its KV into a dead slot, ending where the batch's rows
 end, with the left padding that hides what the slot held before: one write of each
 layer's keys and values, nothing else copied. The batch drops its dead slots (a gather of
-the live ones, as mlx-lm's filter) only when they pass a quarter of its live rows, or
-when rows cannot join in place; and it cuts the columns no live row reaches once there
-are :data:`CUT_COLUMNS` of them, not at every leave. Caches of other kinds (rotating,
-state space) keep mlx-lm's ways: no slot stays dead.
+the live ones, as mlx-lm's filter) only when rows cannot all join in place (more rows
+than dead slots, as a batch grows, or a row longer than the batch's columns); and it cuts
+the columns no live row reaches once there are :data:`CUT_COLUMNS` of them, not at every
+leave. A sweep's rows, started together with the same length, end together and are
+refilled together: however many leave, their slots wait for the refill (a rule that
+gathered past a few dead slots left the tiny model's sweep joining 10 rows by copy for
+each one in place). Caches of other kinds (rotating, state space) keep mlx-lm's ways: no
+slot stays dead.
 
 Where. On a GPU a dead slot costs next to nothing (on CUDA, rows run in tiles of 64; a
 batch never holds more slots than its most rows). On a CPU every row is computed: there
@@ -39,8 +43,6 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.worker.kv_pack import filter_rows
 
-#: Dead slots a batch keeps whatever its size; past it, up to a quarter of its live rows.
-SPARE = 4
 #: Columns before every live row's first token that a leave leaves in place: fewer cost a
 #: few keys of masked attention a step, a cut costs a copy of every layer in the next step.
 CUT_COLUMNS = 32
@@ -123,9 +125,9 @@ class Slots:
     ) -> Literal["kept", "cut", "gathered", "cleared"]:
         """Of ``rows`` rows, rows ``keep`` stay (row ``keep[i]`` holding ``held[i]``
         tokens) and the others leave their slots dead: the caches are ``kept`` as they
-        are, or ``cut`` (:data:`CUT_COLUMNS`). With too many dead, or caches that cannot
-        keep places, the live slots are ``gathered`` (mlx-lm's filter); with no row kept,
-        the caches are ``cleared``."""
+        are, or ``cut`` (:data:`CUT_COLUMNS`). Where caches cannot keep places (or the
+        slots are off), the live slots are ``gathered`` (mlx-lm's filter); with no row
+        kept, the caches are ``cleared``."""
         if not keep:
             caches.clear()
             self.clear()
@@ -134,8 +136,7 @@ class Slots:
         kept = set(keep)
         of = [before[i] for i in keep]
         freed = [s for i, s in enumerate(before) if i not in kept]
-        dead = len(self.free) + len(freed)
-        if not self.keep_places or not slotted(caches) or dead > max(SPARE, len(keep) // 4):
+        if not self.keep_places or not slotted(caches):
             self._gather(caches, of, held)
             return "gathered"
         self._set(of, sorted(self.free + freed))
