@@ -53,7 +53,8 @@ def test_the_stats_record_keeps_its_keys_in_their_order():
         "model_digest", "constrained_rows", "constraint_compiles", "mask_ms", "tool_format",
         "window_max_ms", "busy_ms", "first_token_passes", "admit_hold_steps",
         "first_tokens_from_prefill", "one_sequence",
-        "fused_prefill", "fused_prefills",
+        "fused_prefill", "fused_prefills", "rows_joined_in_place", "rows_joined_by_copy",
+        "slot_gathers",
     ]  # fmt: skip
     assert stats.as_record()["batch_sizes"] == {"2": 3}
     assert stats.state == "idle"

@@ -88,12 +88,6 @@ class WorkerStats:
     #: them (``--admit-hold-steps``), and whether prefills are padded to bucketed shapes.
     admit_held_steps: int = 0
     prefill_buckets: bool = False
-    #: Rows that joined the decoding batch into the places of rows that had left, rows
-    #: that joined by a copy of every row's KV, and the times the batch dropped the places
-    #: rows had left (``mlxq.worker.kv_slots``).
-    rows_joined_in_place: int = 0
-    rows_joined_by_copy: int = 0
-    slot_gathers: int = 0
     #: What input the model takes: its context in tokens (0: it names none) and its
     #: vocabulary's size; a gateway refuses requests past them before they are queued.
     max_context: int = 0
@@ -134,6 +128,12 @@ class WorkerStats:
     one_sequence: bool = False
     fused_prefill: bool = False
     fused_prefills: int = 0
+    #: Rows that joined the decoding batch into the places of rows that had left, rows
+    #: that joined by a copy of every row's KV, and the times the batch dropped the places
+    #: rows had left (``mlxq.worker.kv_slots``).
+    rows_joined_in_place: int = 0
+    rows_joined_by_copy: int = 0
+    slot_gathers: int = 0
 
     @property
     def state(self) -> str:
