@@ -423,8 +423,8 @@ def test_canceling_a_constrained_row_leaves_the_others_whole(loaded):
 
 def test_grammar_rows_advance_each_constrained_row_and_leave_the_others_open(loaded):
     from mlxq.batching.grammar import GrammarRows
-    from mlxq.worker.decode_batch import StepCounters
     from mlxq.worker.grammars import Grammars
+    from mlxq.worker.step_counters import StepCounters
 
     tok = loaded[1]
     grammars = Grammars(tok, 1024, frozenset(tok.eos_token_ids), StepCounters())

@@ -23,7 +23,6 @@ from mlxq.batching.stops import StopMatcher
 from mlxq.producer.params import GenerationRequest
 from mlxq.worker.chat import tool_format
 from mlxq.worker.config import WorkerConfig
-from mlxq.worker.decode_batch import StepCounters
 from mlxq.worker.detok import Detokenizer, special_ids
 from mlxq.worker.encode import context_length, encode, vocab_size
 from mlxq.worker.fused_pass import FUSED_PREFILL, fused_pass
@@ -35,6 +34,7 @@ from mlxq.worker.mlx_settings import on_cuda
 from mlxq.worker.model_head import model_head
 from mlxq.worker.prompt_cache import PromptCache, default_budget
 from mlxq.worker.rows import Delta, Row, RowStatus, fit_paused_kv, kv_nbytes
+from mlxq.worker.step_counters import StepCounters
 
 log = logging.getLogger("mlxq.worker")
 

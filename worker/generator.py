@@ -28,11 +28,12 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.batching.rows import RowSampler
-from mlxq.worker.decode_batch import BoundGenerationBatch, StepCounters
+from mlxq.worker.decode_batch import BoundGenerationBatch
 from mlxq.worker.fused_pass import FusedPass
 from mlxq.worker.kv_pack import row_copy
 from mlxq.worker.model_head import Head
 from mlxq.worker.prompt_batch import BoundPromptBatch, Buckets
+from mlxq.worker.step_counters import StepCounters
 
 
 class Generator(BatchGenerator):  # type: ignore[misc]

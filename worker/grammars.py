@@ -21,7 +21,7 @@ from llguidance import LLMatcher, LLTokenizer
 from mlxq.batching.grammar import RowMatcher
 from mlxq.producer.constraints import Constraint
 from mlxq.producer.errors import PayloadError
-from mlxq.worker.decode_batch import StepCounters
+from mlxq.worker.step_counters import StepCounters
 
 log = logging.getLogger("mlxq.worker")
 

@@ -22,10 +22,11 @@ import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch, _extend_cache
 
 from mlxq.batching.prefill import prefill_shape
-from mlxq.worker.decode_batch import BoundGenerationBatch, StepCounters
+from mlxq.worker.decode_batch import BoundGenerationBatch
 from mlxq.worker.fused_pass import FusedPass
 from mlxq.worker.kv_pack import filter_rows
 from mlxq.worker.model_head import Head
+from mlxq.worker.step_counters import StepCounters
 
 
 @dataclass(frozen=True, slots=True)
