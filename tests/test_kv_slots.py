@@ -15,6 +15,7 @@ mlx_lm = pytest.importorskip("mlx_lm")
 import mlx.core as mx  # noqa: E402
 from kvcheck import padding_agrees  # noqa: E402
 
+from mlxq.worker import kv_slots  # noqa: E402
 from mlxq.worker.engine import Engine  # noqa: E402
 from mlxq.worker.jobs import Job, apply_deltas  # noqa: E402
 from mlxq.worker.kv_slots import CUT_COLUMNS  # noqa: E402
@@ -173,6 +174,30 @@ def test_rows_that_end_together_leave_their_slots_to_the_refill(loaded):
     assert (c.rows_joined_in_place, c.rows_joined_by_copy, c.slot_gathers) == (9, 12, 1)
     assert b.gen.slots.free == [] and b.gen.prompt_cache[0].keys.shape[0] == 14
     assert b.run() == _alone(loaded, True, first | refill | more)
+
+
+def test_dead_slots_no_row_comes_for_are_let_go(loaded, monkeypatch):
+    """A batch that shrank for good gathers its live slots once its dead ones have waited
+    out IDLE_STEPS decode steps; the rows go on with their own tokens."""
+    monkeypatch.setattr(kv_slots, "IDLE_STEPS", 5)
+    reqs = {f"s{i}": _req("Once upon", 2) for i in range(5)} | {
+        "a": _req("The harbour at dawn", 24),
+        "b": _req("Tell me", 24, temperature=0.7, seed=3),
+    }
+    b = Batch(loaded, 8, True)
+    b.add(reqs)
+    b.step()
+    while len(b.gen.uids) > 2:
+        b.step()
+    assert len(b.gen.slots.free) == 5
+    for _ in range(5):
+        b.step()
+    assert b.engine.counters.slot_gathers == 0 and len(b.gen.slots.free) == 5
+    b.step()
+    b.step()
+    assert b.engine.counters.slot_gathers == 1
+    assert b.gen.slots.free == [] and b.gen.prompt_cache[0].keys.shape[0] == 2
+    assert b.run() == _alone(loaded, True, reqs)
 
 
 @pytest.mark.parametrize("given", ["0", ""], ids=["off", "cpu-default"])

@@ -117,6 +117,11 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
         if not self.uids:
             return []
         riding, self.riding = self.riding, set()
+        if self.slots.tick():  # dead slots no row came for: the batch has shrunk
+            with self.counters.stages.on("rows_leave"):
+                self.slots.drop_dead(self.prompt_cache, [len(t) for t in self.tokens])
+                schedule_caches(self.prompt_cache)
+            self.counters.slot_gathers += 1
         tokens, logprobs = self._step()
         return self._emit(tokens, logprobs, riding)
 

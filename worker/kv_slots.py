@@ -19,8 +19,10 @@ the columns no live row reaches once there are :data:`CUT_COLUMNS` of them, not 
 leave. A sweep's rows, started together with the same length, end together and are
 refilled together: however many leave, their slots wait for the refill (a rule that
 gathered past a few dead slots left the tiny model's sweep joining 10 rows by copy for
-each one in place). Caches of other kinds (rotating, state space) keep mlx-lm's ways: no
-slot stays dead.
+each one in place). A dead slot still costs its row's attention every step, so a batch
+whose dead slots wait more than :data:`IDLE_STEPS` steps has shrunk for good and gathers
+them. Caches of other kinds (rotating, state space) keep mlx-lm's ways: no slot stays
+dead.
 
 Where. On a GPU a dead slot costs next to nothing (on CUDA, rows run in tiles of 64; a
 batch never holds more slots than its most rows). On a CPU every row is computed: there
@@ -46,6 +48,11 @@ from mlxq.worker.kv_pack import filter_rows
 #: Columns before every live row's first token that a leave leaves in place: fewer cost a
 #: few keys of masked attention a step, a cut costs a copy of every layer in the next step.
 CUT_COLUMNS = 32
+#: Decode steps a dead slot waits for a row before the batch gathers its live ones: a
+#: sweep's refill comes within a few steps, a first level's kept rows fill between chat
+#: jobs within a second or two (about 100 steps a second on an H100); past that the
+#: batch has shrunk, and every dead slot's attention runs each step for nothing.
+IDLE_STEPS = 256
 ENV = "MLXQ_KV_SLOTS"
 
 
@@ -75,6 +82,9 @@ class Slots:
         self.of: list[int] | None = None
         self.free: list[int] = []
         self.keep_places = enabled()
+        #: Decode steps taken, and the step each dead slot died at.
+        self.steps = 0
+        self._died: dict[int, int] = {}
         self._feed: mx.array | None = None
         self._rows: mx.array | None = None
 
@@ -89,7 +99,14 @@ class Slots:
         if of is not None and not free and of == list(range(len(of))):
             of = None
         self.of, self.free = of, free
+        self._died = {s: self._died.get(s, self.steps) for s in free}
         self._feed = self._rows = None
+
+    def tick(self) -> bool:
+        """Count a decode step; True when a dead slot has waited past
+        :data:`IDLE_STEPS` for a row (then :meth:`drop_dead`)."""
+        self.steps += 1
+        return bool(self._died) and self.steps - min(self._died.values()) > IDLE_STEPS
 
     def feed(self, tokens: mx.array) -> mx.array:
         """Each row's input (``tokens``, one a row) as one a slot: a dead slot is fed any
