@@ -108,6 +108,7 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     split = _parts(lines) | {f"decode, {k}": t for k, t in _by_row_change(lines).items()}
     rows += [tally.line(name) for name, tally in split.items()]
     rows += _waits(lines)
+    rows += _step_kinds(lines)
     if slowest and prefills:
         rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
         for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:
@@ -165,6 +166,47 @@ def _waits(lines: Sequence[dict[str, Any]], least: int = 20) -> list[str]:
                 f"waited {statistics.mean(w):.2f} ms for the device at the mean, "
                 f"over 1 ms in {over:.0%}"
             )
+    return out
+
+
+def _step_kinds(lines: Sequence[dict[str, Any]], least: int = 20) -> list[str]:
+    """Decode steps by kind, for each kind of at least ``least`` steps: what changed the
+    batch just before (nothing, a join, a leave, both), its rows, sampled rows and slots
+    (rows plus the places rows left, ``mlxq.worker.kv_slots``); each kind's step and its
+    parts (the graph, the launch, the wait for the device) at p50, and the step's p50 over
+    the most common kind's. A step after a change that costs more than a steady step of
+    the same rows says what the change left the step to pay."""
+    parts: dict[int, list[dict[str, Any]]] = {}
+    for x, ps in _steps(lines):
+        parts[id(x)] = ps
+    kinds: dict[tuple[str, int, int, int], list[dict[str, Any]]] = {}
+    for x, changed in _with_changes(lines):
+        if id(x) not in parts or "rows" not in x:
+            continue
+        change = "+".join(sorted(c.removeprefix("rows_") for c in changed)) or "steady"
+        key = (change, x["rows"], min(x["sampled"], 1), x.get("slots", x["rows"]))
+        kinds.setdefault(key, []).append(x)
+    kinds = {k: v for k, v in kinds.items() if len(v) >= least}
+    if not kinds:
+        return []
+    base = statistics.median(x["ms"] for x in max(kinds.values(), key=len))
+
+    def p50(steps: list[dict[str, Any]], part: str) -> float:
+        got = [p["ms"] for x in steps for p in parts[id(x)] if p["stage"] == part]
+        return statistics.median(got) if got else 0.0
+
+    out = [
+        f"{'decode steps by kind':<34} {'steps':>6} {'p50':>7} {'over':>7} {'graph':>7} "
+        f"{'launch':>7} {'wait':>7}"
+    ]
+    for (change, n, sampled, slots), steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        ms = statistics.median(x["ms"] for x in steps)
+        name = f"{change}, {n} rows{' (' + str(slots) + ' slots)' if slots != n else ''}"
+        name += ", sampled" if sampled else ""
+        out.append(
+            f"  {name:<32} {len(steps):>6} {ms:>7.2f} {ms - base:>+7.2f} "
+            f"{p50(steps, 'graph'):>7.2f} {p50(steps, 'launch'):>7.2f} {p50(steps, 'wait'):>7.2f}"
+        )
     return out
 
 

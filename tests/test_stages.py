@@ -381,10 +381,43 @@ def test_the_summary_gives_the_device_wait_by_rows_and_sampled_rows():
     lines = [x for _ in range(20) for x in step(64, 0, 0.1)]
     lines += [x for i in range(20) for x in step(65, 1, 3.0 if i % 4 == 0 else 0.2)]
     lines += [x for x in step(66, 2, 9.0)]  # one step: under the 20 a line needs
-    got = [r for r in summary(lines).splitlines() if " rows, " in r]
+    got = [r for r in summary(lines).splitlines() if r.startswith("decode, ") and " rows, " in r]
     assert got == [
         "decode, 64 rows, none sampled: 20 steps waited 0.10 ms for the device at the mean, "
         "over 1 ms in 0%",
         "decode, 65 rows, some sampled: 20 steps waited 0.90 ms for the device at the mean, "
         "over 1 ms in 25%",
     ]
+
+
+def test_the_summary_gives_decode_steps_by_kind_against_the_most_common():
+    """Steps by what changed the batch before them, rows, sampled rows and slots: each
+    kind's p50 and its parts', and how far over the most common kind's p50 it is."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import summary
+
+    def step(ms: float, rows: int, sampled: int, slots: int, launch: float) -> list[dict]:
+        return [
+            {"t": 0.0, "stage": "graph", "part": True, "ms": 2.0, "cpu_ms": 2.0},
+            {"t": 0.0, "stage": "launch", "part": True, "ms": launch, "cpu_ms": launch},
+            {"t": 0.0, "stage": "wait", "part": True, "ms": 0.1, "cpu_ms": 0.1},
+            {"t": 0.0, "stage": "decode", "ms": ms, "rows": rows, "new": False,
+             "sampled": sampled, "slots": slots},
+        ]  # fmt: skip
+
+    lines = [x for _ in range(30) for x in step(6.0, 62, 0, 64, 3.5)]
+    for _ in range(20):
+        lines += [{"t": 0.0, "stage": "rows_join", "ms": 1.0}, *step(9.0, 63, 1, 64, 6.5)]
+        lines += [{"t": 0.0, "stage": "rows_leave", "ms": 0.2}, *step(8.0, 62, 0, 64, 5.5)]
+    lines += [{"t": 0.0, "stage": "rows_leave", "ms": 0.2}, *step(30.0, 61, 0, 64, 9.0)]
+    text = summary(lines).splitlines()
+    at = next(i for i, r in enumerate(text) if r.startswith("decode steps by kind"))
+    assert [r.split() for r in text[at + 1 :]] == [
+        ["steady,", "62", "rows", "(64", "slots)", "30", "6.00", "+0.00", "2.00", "3.50", "0.10"],
+        ["join,", "63", "rows", "(64", "slots),", "sampled", "20", "9.00", "+3.00", "2.00",
+         "6.50", "0.10"],
+        ["leave,", "62", "rows", "(64", "slots)", "20", "8.00", "+2.00", "2.00", "5.50", "0.10"],
+    ]  # fmt: skip
