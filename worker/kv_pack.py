@@ -130,24 +130,40 @@ def filter_rows(caches: list[Any], keep: list[int], held: Sequence[int]) -> None
     # while the loop runs.
     shared: dict[int, tuple[mx.array, mx.array]] = {}
 
-    def gathered(a: mx.array, cut: int = 0) -> mx.array:
+    def gathered(a: mx.array) -> mx.array:
         if id(a) not in shared:
-            shared[id(a)] = (a, a[index] - cut if cut > 0 else a[index])
+            shared[id(a)] = (a, a[index])
         return shared[id(a)][1]
 
+    padded = []
     for c in caches:
         if not _host_padded(c, fewest, most):
             c.filter(keep)
             continue
-        cut = c._idx - most
         if run is None:
             c.keys, c.values = c.keys[index], c.values[index]
         else:
             c.keys, c.values = c.keys[run[0] : run[1]], c.values[run[0] : run[1]]
-        c.offset, c.left_padding = gathered(c.offset), gathered(c.left_padding, cut)
-        if cut > 0:
-            c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
-            c._idx -= cut
+        c.offset, c.left_padding = gathered(c.offset), gathered(c.left_padding)
+        padded.append(c)
+    cut_to(padded, most)
+
+
+def cut_to(caches: list[Any], most: int) -> None:
+    """Cut each layer's columns before its last ``most`` (no row reaches them; a batch
+    cache's rows end at its ``_idx``), and their padding with them. Layers that share a
+    padding array keep sharing one."""
+    shifted: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+    for c in caches:
+        cut = c._idx - most
+        if cut <= 0:
+            continue
+        c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
+        c._idx -= cut
+        key = (id(c.left_padding), cut)
+        if key not in shifted:
+            shifted[key] = (c.left_padding, c.left_padding - cut)
+        c.left_padding = shifted[key][1]
 
 
 def schedule_caches(caches: list[Any]) -> None:

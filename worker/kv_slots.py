@@ -43,7 +43,7 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from mlxq.worker.kv_pack import filter_rows
+from mlxq.worker.kv_pack import cut_to, filter_rows
 
 #: Columns before every live row's first token that a leave leaves in place: fewer cost a
 #: few keys of masked attention a step, a cut costs a copy of every layer in the next step.
@@ -94,6 +94,10 @@ class Slots:
 
     def slot(self, row: int) -> int:
         return row if self.of is None else self.of[row]
+
+    def _placed(self, rows: int) -> list[int]:
+        """Each of ``rows`` rows' slot."""
+        return list(range(rows)) if self.of is None else self.of
 
     def _set(self, of: list[int] | None, free: list[int]) -> None:
         if of is not None and not free and of == list(range(len(of))):
@@ -149,7 +153,7 @@ class Slots:
             caches.clear()
             self.clear()
             return "cleared"
-        before = list(range(rows)) if self.of is None else self.of
+        before = self._placed(rows)
         kept = set(keep)
         of = [before[i] for i in keep]
         freed = [s for i, s in enumerate(before) if i not in kept]
@@ -157,7 +161,10 @@ class Slots:
             self._gather(caches, of, held)
             return "gathered"
         self._set(of, sorted(self.free + freed))
-        return "cut" if _cut(caches, caches[0]._idx - max(held)) else "kept"
+        if caches[0]._idx - max(held) < CUT_COLUMNS:
+            return "kept"
+        cut_to(caches, max(held))
+        return "cut"
 
     def drop_dead(self, caches: list[Any], held: list[int]) -> None:
         """Gather the live slots, each row ``i`` holding ``held[i]`` tokens: no slot dead
@@ -211,7 +218,7 @@ class Slots:
         for c, t in zip(ours, theirs, strict=True):
             c.keys[at, :, cols] = t.keys[:, :, their_cols]
             c.values[at, :, cols] = t.values[:, :, their_cols]
-        of = [*(range(len(held)) if self.of is None else self.of), *slots]
+        of = [*self._placed(len(held)), *slots]
         # Every row's padding and tokens held, known on the host; a dead slot sees its
         # newest column only. All layers share both (each layer pads its rows alike).
         width = len(of) + len(free)
@@ -223,18 +230,3 @@ class Slots:
             c.left_padding, c.offset = left_padding, offset
         self._set(of, free)
         return True
-
-
-def _cut(caches: list[Any], cut: int) -> bool:
-    """Cut the first ``cut`` columns of every layer (no live row reaches them) once there
-    are :data:`CUT_COLUMNS` of them; True if it did."""
-    if cut < CUT_COLUMNS:
-        return False
-    shifted: dict[int, tuple[mx.array, mx.array]] = {}  # shared paddings stay shared
-    for c in caches:
-        c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
-        c._idx -= cut
-        if id(c.left_padding) not in shifted:
-            shifted[id(c.left_padding)] = (c.left_padding, c.left_padding - cut)
-        c.left_padding = shifted[id(c.left_padding)][1]
-    return True
