@@ -13,6 +13,12 @@ lets it go there: docs/benchmarks.md.)
 
 ``--gil`` needs ``py-spy`` on PATH (or ``PY_SPY=...``) and leave to read the worker's
 memory (ptrace). It samples without pausing the worker (``--nonblocking``), at 100 Hz.
+
+``MLXQ_GIL_NATIVE=1``: every thread that runs, lock held or not, with its native frames
+(``--native``, which pauses the worker for each sample), each sample counted by its
+innermost named frame: where inside MLX's launch (kernels encoded, CUDA graphs
+instantiated or updated, memory allocated) a decode thread spends its time. The tables
+then read "the thread runs" for "the lock held".
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RATE = 100  # samples a second
+
+
+def native() -> bool:
+    """Whether to sample running threads' native frames (``MLXQ_GIL_NATIVE=1``)."""
+    return os.environ.get("MLXQ_GIL_NATIVE", "") == "1"
 
 
 def exe() -> str:
@@ -50,7 +61,10 @@ class Sampler:
         """Sample the next ``seconds`` (whole, at least 1) into window ``i``'s file."""
         s = max(1, int(seconds))
         name = self.out / f"gil-{i:02d}-{'on' if on else 'off'}-{s}s"
-        cmd = [self.exe, "record", "--gil", "--threads", "--nonblocking", "--full-filenames"]
+        # Native frames need the worker paused for each sample: a slower worker, for
+        # where its time goes, not for its pace.
+        how = ["--native"] if native() else ["--gil", "--nonblocking"]
+        cmd = [self.exe, "record", *how, "--threads", "--full-filenames"]
         cmd += ["-r", str(RATE)]
         cmd += ["-d", str(s), "-f", "raw", "-o", f"{name}.txt"]
         with open(f"{name}.log", "wb") as log:
@@ -85,7 +99,9 @@ class Held:
                 continue
             thread = re.sub(r"\d+$", "", m.group(1) or "?")  # ThreadPool-3 -> ThreadPool-
             self.threads[thread] += int(n)
-            self.frames[(thread, mlxq_frame(stack[m.end() :].split(";")))] += int(n)
+            frames = stack[m.end() :].split(";")
+            key = innermost(frames) if native() else mlxq_frame(frames)
+            self.frames[(thread, key)] += int(n)
 
     def ms_a_s(self, n: int) -> float:
         return 1e3 * n / RATE / self.seconds if self.seconds else 0.0
@@ -100,6 +116,22 @@ def mlxq_frame(frames: Sequence[str]) -> str:
     return f"{m.group(1)} ({Path(m.group(2)).name})" if m else f
 
 
+def innermost(frames: Sequence[str]) -> str:
+    """The innermost named frame (an unnamed address says nothing), and the innermost of
+    MLX's own below it: what the thread was doing, and for which of MLX's steps."""
+    names = [f for f in frames if not f.startswith("0x")] or ["?"]
+    mlx = [f for f in names if f.startswith("mlx::")]
+    key = _short(names[-1])
+    if mlx and mlx[-1] != names[-1]:
+        key += f" < {_short(mlx[-1])}"
+    return key
+
+
+def _short(frame: str) -> str:
+    m = re.fullmatch(r"(.*) \(([^)]*)\)", frame)
+    return f"{m.group(1)[:80]} ({Path(m.group(2)).name.split(':')[0]})" if m else frame[:100]
+
+
 def read(folder: Path) -> dict[bool, Held]:
     """Every window's file in ``folder``, on and off apart."""
     held = {False: Held(), True: Held()}
@@ -109,13 +141,18 @@ def read(folder: Path) -> dict[bool, Held]:
     return held
 
 
+WHAT = {
+    False: "the interpreter's lock, ms a second held (py-spy --gil",
+    True: "the threads running, ms a second (py-spy --native",
+}
+
+
 def table(held: dict[bool, Held], frames: int = 12) -> str:
     """The lock's ms a second by thread, off and on windows; then the frames whose share
     grew most in the on windows."""
     off, on = held[False], held[True]
     out = [
-        f"the interpreter's lock, ms a second held (py-spy --gil; {off.seconds:.0f} s off, "
-        f"{on.seconds:.0f} s on)",
+        f"{WHAT[native()]}; {off.seconds:.0f} s off, {on.seconds:.0f} s on)",
         "| thread | off | on | on - off |",
         "|---|---|---|---|",
     ]
@@ -132,6 +169,12 @@ def table(held: dict[bool, Held], frames: int = 12) -> str:
         out.append(
             f"| {k[0]} | {k[1]} | {off.ms_a_s(off.frames[k]):.1f} | {on.ms_a_s(on.frames[k]):.1f} |"
         )
+    if native():  # where the threads spend their time at all, not only what grew
+        out += ["", "frames taking the most, ms a second (off windows)"]
+        out += ["| thread | frame | off | on |", "|---|---|---|---|"]
+        for k, _ in off.frames.most_common(frames):
+            a, b = off.ms_a_s(off.frames[k]), on.ms_a_s(on.frames[k])
+            out.append(f"| {k[0]} | {k[1]} | {a:.1f} | {b:.1f} |")
     return "\n".join(out)
 
 
