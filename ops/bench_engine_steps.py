@@ -12,9 +12,13 @@ sampler, its detokenizers and deltas), with no Redis and no helper thread, in ro
   wider    the same, with one more greedy job instead (the row count alone)
   unseeded (``--phases``) the chat job with no seed: MLX's random noise, not the seeded
            row's keys and hash
+  dead     (``--phases``) the greedy jobs and a dead slot: one more joined and left
+           (``MLXQ_KV_SLOTS=1``: rows keep their place, :mod:`mlxq.worker.kv_slots`)
+  chat-dead (``--phases``) the chat job beside them, and a dead slot
 
 Each phase steps ``--settle`` times untimed after its row joined or left, then times
-``--steps`` steps. Steps of a phase where a row ended (an end of sequence) are left out.
+``--steps`` steps; dead slots are gathered between phases. Steps of a phase where a row
+ended (an end of sequence) are left out.
 With ``MLXQ_TRACE_STAGES=FILE`` set, it also prints each phase's decode step parts (the
 model pass's graph, the sampler's, the launch, the wait for the last step's tokens: see
 ``mlxq.worker.stages``), ms at the mean over its timed steps: the host's share apart.
@@ -42,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -54,12 +59,18 @@ from mlxq.worker.jobs import Job, apply_deltas
 from mlxq.worker.stages import TRACE_ENV
 
 PHASES = ("greedy", "chat", "wider")
-#: Each phase's extra row's sampling params in round r.
-EXTRA: dict[str, Callable[[int], dict[str, float]]] = {
-    "chat": lambda r: {"temperature": 0.7, "seed": r},
-    "unseeded": lambda r: {"temperature": 0.7},
-    "wider": lambda r: {"temperature": 0.0},
+_CHAT = {"temperature": 0.7}
+#: Each phase's extra rows' sampling params in round r.
+EXTRA: dict[str, Callable[[int], list[dict[str, float]]]] = {
+    "chat": lambda r: [{**_CHAT, "seed": r}],
+    "unseeded": lambda r: [_CHAT],
+    "wider": lambda r: [{"temperature": 0.0}],
+    "dead": lambda r: [{"temperature": 0.0}],
+    "chat-dead": lambda r: [{**_CHAT, "seed": r}, {"temperature": 0.0}],
 }
+#: Of a phase's extra rows, how many (the last) leave before its timed steps: where rows
+#: keep their place (kv_slots), theirs stay dead slots through them.
+DEAD = {"dead": 1, "chat-dead": 1}
 
 
 def job(engine: Engine, name: str, tokens: int, **sampling: object) -> Job:
@@ -124,14 +135,23 @@ def run(
     for _ in range(args.settle):
         apply_deltas(engine.step())
     got: dict[str, list[float | None]] = {p: [] for p in args.phases}
+    slots: dict[str, str] = {}
     for r in range(args.rounds):
         for phase in args.phases:
-            extra = None
-            if phase in EXTRA:
-                extra = job(engine, f"{phase} {r}", budget, **EXTRA[phase](r))
-                engine.add([extra])
+            extra = [
+                job(engine, f"{phase} {r} {k}", budget, **params)
+                for k, params in enumerate(EXTRA[phase](r) if phase in EXTRA else [])
+            ]
+            if extra:
+                engine.add(extra)
             for _ in range(args.settle):
                 apply_deltas(engine.step())
+            if gone := extra[len(extra) - DEAD.get(phase, 0) :]:
+                engine.remove(gone)
+                extra = extra[: len(extra) - len(gone)]
+                for _ in range(args.settle):
+                    apply_deltas(engine.step())
+            slots.setdefault(phase, _slots(engine))
             if args.nodes and phase not in graphs:
                 seen: list[str] = []
                 with launches(seen):
@@ -142,16 +162,38 @@ def run(
             got[phase].append(statistics.median(times) if times else None)
             if times:
                 windows.setdefault(phase, []).append((start, time.perf_counter()))
-            if extra is not None:
-                engine.remove([extra])
+            if extra:
+                engine.remove(extra)
                 for _ in range(args.settle):
                     apply_deltas(engine.step())
+            _gather_dead(engine)
         print(
             f"round {r + 1}: " + ", ".join(f"{p} {_ms(got[p][-1])}" for p in args.phases),
             flush=True,
         )
+    print("rows (slots) timed: " + ", ".join(f"{p} {v}" for p, v in slots.items()))
     engine.counters.stages.close()  # its trace, written out for :func:`parts`
     return got
+
+
+def _batch(engine: Engine) -> Any:
+    return engine._gen._generation_batch  # the running batch (a benchmark's look inside)
+
+
+def _slots(engine: Engine) -> str:
+    """The running batch's rows, and its slots where some are dead."""
+    batch = _batch(engine)
+    rows = len(batch.uids)
+    width = batch.slots.width(rows)
+    return f"{rows}" if width == rows else f"{rows} ({width})"
+
+
+def _gather_dead(engine: Engine) -> None:
+    """Gather the running batch's live slots (a dead slot left by a phase is not the next
+    phase's): what a batch does once its dead slots wait past ``IDLE_STEPS``."""
+    batch = _batch(engine)
+    if batch.slots.free:
+        batch.slots.drop_dead(batch.prompt_cache, [len(t) for t in batch.tokens])
 
 
 def _ms(x: float | None) -> str:
@@ -218,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=lambda v: tuple(p for p in v.split(",") if p),
         default=PHASES,
         help=f"comma-separated, run in this order each round (default {','.join(PHASES)}; "
-        f"also: unseeded)",
+        f"also: {', '.join(k for k in EXTRA if k not in PHASES)})",
     )
     ap.add_argument("--nodes", action="store_true", help="each phase's step graph by primitive")
     args = ap.parse_args(argv)
