@@ -23,3 +23,24 @@ def test_a_worker_sets_it_and_says_so(monkeypatch: pytest.MonkeyPatch, start_wor
     monkeypatch.delenv(CHECK, raising=False)
     text = start_worker().output()
     assert f"mlx: {CHECK}=0 (the worker's default; set it to choose)" in text, text
+
+
+def test_a_large_pass_gives_cached_buffers_back_only_past_the_share():
+    import mlx.core as mx
+
+    from mlxq.worker.mlx_settings import CACHE_SHARE, trim_cache
+
+    mx.clear_cache()
+    limit = mx.get_memory_limit()
+    try:
+        x = mx.ones((256, 1024))  # 1 MiB of float32, cached once freed
+        mx.eval(x)
+        del x
+        cached = mx.get_cache_memory()
+        assert cached > 0
+        mx.set_memory_limit(cached * CACHE_SHARE)  # the cache at its share: kept
+        assert not trim_cache() and mx.get_cache_memory() == cached
+        mx.set_memory_limit(cached * CACHE_SHARE - 1)  # past it: given back
+        assert trim_cache() and mx.get_cache_memory() == 0
+    finally:
+        mx.set_memory_limit(limit)

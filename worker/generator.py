@@ -31,6 +31,7 @@ from mlxq.batching.rows import RowSampler
 from mlxq.worker.decode_batch import BoundGenerationBatch
 from mlxq.worker.fused_pass import FusedPass
 from mlxq.worker.kv_pack import row_copy
+from mlxq.worker.mlx_settings import trim_cache
 from mlxq.worker.model_head import Head
 from mlxq.worker.prompt_batch import BoundPromptBatch, Buckets
 from mlxq.worker.step_counters import StepCounters
@@ -189,7 +190,7 @@ class Generator(BatchGenerator):  # type: ignore[misc]
         self._counters.generation_tokens += len(responses)  # as mlx-lm's own step counts
         self._counters.generation_steps += 1
         if self._counters.generation_steps % 512 == 0:
-            mx.clear_cache()
+            trim_cache()
         return prompt_responses, responses
 
     def _start_ready(self, responses: list[Any]) -> None:

@@ -47,3 +47,26 @@ def on_cuda() -> bool:
 
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)
+
+
+#: The share of MLX's memory limit its buffer cache may hold before a large pass gives it
+#: back (:func:`trim_cache`).
+CACHE_SHARE = 16
+
+
+def trim_cache() -> bool:
+    """Give MLX's cached buffers back where they pass 1/:data:`CACHE_SHARE` of its memory
+    limit; True if so.
+
+    mlx-lm clears the cache after every large prefill and every 512 decode steps. A
+    worker beside a sweep prefills a large refill every few seconds, and each clear frees
+    every buffer the next decode steps allocate again: on an H100 a worker's decode thread
+    spent 2.4% of its time freeing them (py-spy, docs/benchmarks.md). MLX itself gives
+    cached buffers back when an allocation would pass its memory limit, so a bounded cache
+    costs no room a pass needs."""
+    import mlx.core as mx
+
+    if mx.get_cache_memory() * CACHE_SHARE <= mx.get_memory_limit():
+        return False
+    mx.clear_cache()
+    return True

@@ -25,6 +25,7 @@ from mlxq.batching.prefill import prefill_shape
 from mlxq.worker.decode_batch import BoundGenerationBatch
 from mlxq.worker.fused_pass import FusedPass
 from mlxq.worker.kv_pack import filter_rows
+from mlxq.worker.mlx_settings import trim_cache
 from mlxq.worker.model_head import Head
 from mlxq.worker.step_counters import StepCounters
 
@@ -178,7 +179,7 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
         # this one (and the decode step before it).
         mx.async_eval([c.state for c in self.prompt_cache], *([] if last is None else [last]))
         if rows * width > self.prefill_step_size:
-            mx.clear_cache()  # a large pass: its buffers go back, as mlx-lm's do
+            trim_cache()  # a large pass: its buffers go back where the cache is large
         return last
 
     def _pass(
