@@ -109,6 +109,7 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     rows += [tally.line(name) for name, tally in split.items()]
     rows += _waits(lines)
     rows += _step_kinds(lines)
+    rows += _copied_joins(lines)
     if slowest and prefills:
         rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
         for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:
@@ -207,6 +208,24 @@ def _step_kinds(lines: Sequence[dict[str, Any]], least: int = 20) -> list[str]:
             f"  {name:<32} {len(steps):>6} {ms:>7.2f} {ms - base:>+7.2f} "
             f"{p50(steps, 'graph'):>7.2f} {p50(steps, 'launch'):>7.2f} {p50(steps, 'wait'):>7.2f}"
         )
+    return out
+
+
+def _copied_joins(lines: Sequence[dict[str, Any]]) -> list[str]:
+    """Joins that copied every row's KV (mlx-lm's concatenation) where rows keep their
+    place, by why they could not join in place (``Slots.refused``): their passes, rows,
+    and the join stage's ms at p50."""
+    why: dict[str, list[dict[str, Any]]] = {}
+    for x in lines:
+        if x["stage"] == "rows_join" and "copy" in x:
+            why.setdefault(x["copy"] or "?", []).append(x)
+    if not why:
+        return []
+    out = ["joins by a copy, by why not in place: passes, rows, join ms at p50"]
+    for reason, xs in sorted(why.items(), key=lambda kv: -len(kv[1])):
+        rows = sum(int(x.get("rows", 0)) for x in xs)
+        ms = statistics.median(x["ms"] for x in xs)
+        out.append(f"  {reason:<32} {len(xs):>6} {rows:>6} {ms:>7.2f}")
     return out
 
 

@@ -115,6 +115,7 @@ def test_a_row_longer_than_the_batch_joins_by_concatenation(loaded, one_sequence
     while len(b.gen.uids) != 2:
         b.step()
     assert b.gen.slots.free == [] and b.gen.prompt_cache[0].keys.shape[0] == 2
+    assert b.gen.slots.refused == "a row longer than the batch"
     assert b.run() == _alone(loaded, one_sequence, first | later)
 
 
@@ -173,6 +174,7 @@ def test_rows_that_end_together_leave_their_slots_to_the_refill(loaded):
     until(14)
     assert (c.rows_joined_in_place, c.rows_joined_by_copy, c.slot_gathers) == (9, 12, 1)
     assert b.gen.slots.free == [] and b.gen.prompt_cache[0].keys.shape[0] == 14
+    assert b.gen.slots.refused == "fewer dead slots than rows"
     assert b.run() == _alone(loaded, True, first | refill | more)
 
 
@@ -216,5 +218,6 @@ def test_no_slot_stays_dead_when_off_and_on_the_cpu(loaded, monkeypatch, given):
     got = b.run()
     c = b.engine.counters
     assert c.rows_joined_in_place == 0 and c.rows_joined_by_copy > 0
+    assert b.gen.slots.refused == "slots off"
     assert all(dead == 0 for _, _, dead in b.seen)
     assert got == _alone(loaded, True, reqs)

@@ -421,3 +421,23 @@ def test_the_summary_gives_decode_steps_by_kind_against_the_most_common():
          "6.50", "0.10"],
         ["leave,", "62", "rows", "(64", "slots)", "20", "8.00", "+2.00", "2.00", "5.50", "0.10"],
     ]  # fmt: skip
+
+
+def test_the_trace_says_why_joins_copied():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import summary
+
+    lines = [
+        {"stage": "rows_join", "ms": 2.0, "t": 1.0, "copy": "no dead slot", "rows": 1},
+        {"stage": "rows_join", "ms": 4.0, "t": 2.0, "copy": "no dead slot", "rows": 3},
+        {"stage": "rows_join", "ms": 0.5, "t": 3.0},  # in place: nothing noted
+        {"stage": "rows_join", "ms": 6.0, "t": 4.0, "copy": "a row longer than the batch"},
+    ]
+    text = summary(lines)
+    assert "joins by a copy, by why not in place" in text, text
+    table = {r[:34].strip(): r.split()[-3:] for r in text.splitlines() if r.startswith("  ")}
+    assert table["no dead slot"] == ["2", "4", "3.00"]
+    assert table["a row longer than the batch"] == ["1", "0", "6.00"]

@@ -87,6 +87,8 @@ class Slots:
         self._died: dict[int, int] = {}
         self._feed: mx.array | None = None
         self._rows: mx.array | None = None
+        #: Why the last rows that could not join in place could not (:meth:`join`).
+        self.refused = ""
 
     def width(self, rows: int) -> int:
         """The caches' rows for a batch of ``rows`` rows."""
@@ -188,21 +190,18 @@ class Slots:
         if self.of is not None:
             self._set([*self.of, *range(rows, rows + n)], [])
 
-    def join(
-        self, ours: list[Any], held: list[int], theirs: list[Any], their_held: list[int]
-    ) -> bool:
-        """Write the rows of ``theirs`` (row j holding ``their_held[j]`` tokens, which end
-        at its ``_idx``) into dead slots of ``ours`` (row i holding ``held[i]``): True if
-        they joined so, their rows after ours; False, nothing changed, if they cannot (too
-        few dead slots, other kinds of cache, or a row longer than ours are)."""
+    def _refusal(self, ours: list[Any], theirs: list[Any], their_held: list[int]) -> str:
+        """Why the rows of ``theirs`` cannot join ``ours`` in place ("" where they can)."""
         n = len(their_held)
-        if not n or n > len(self.free) or len(ours) != len(theirs):
-            return False
-        if not slotted(ours) or not slotted(theirs):
-            return False
+        if not self.keep_places:
+            return "slots off"
+        if not n or len(ours) != len(theirs) or not slotted(ours) or not slotted(theirs):
+            return "other caches"
+        if n > len(self.free):
+            return "fewer dead slots than rows" if self.free else "no dead slot"
         end, their_end, span = ours[0]._idx, theirs[0]._idx, max(their_held)
         if min(their_held) < 1 or span > min(end, their_end):
-            return False
+            return "a row longer than the batch"
         for c, t in zip(ours, theirs, strict=True):
             if (
                 c._idx != end
@@ -211,7 +210,22 @@ class Slots:
                 or c.keys.shape[1:2] + c.keys.shape[3:] != t.keys.shape[1:2] + t.keys.shape[3:]
                 or c.values.shape[3:] != t.values.shape[3:]
             ):
-                return False
+                return "other caches"
+        return ""
+
+    def join(
+        self, ours: list[Any], held: list[int], theirs: list[Any], their_held: list[int]
+    ) -> bool:
+        """Write the rows of ``theirs`` (row j holding ``their_held[j]`` tokens, which end
+        at its ``_idx``) into dead slots of ``ours`` (row i holding ``held[i]``): True if
+        they joined so, their rows after ours; False, nothing changed, if they cannot (too
+        few dead slots, other kinds of cache, or a row longer than ours are: ``refused``
+        says which)."""
+        self.refused = self._refusal(ours, theirs, their_held)
+        if self.refused:
+            return False
+        n, end, their_end = len(their_held), ours[0]._idx, theirs[0]._idx
+        span = max(their_held)
         slots, free = self.free[:n], self.free[n:]
         at: Any = slice(slots[0], slots[0] + 1) if n == 1 else mx.array(slots)
         cols, their_cols = slice(end - span, end), slice(their_end - span, their_end)
