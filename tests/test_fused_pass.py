@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlxq.producer.params import GenerationRequest, SamplingParams  # noqa: E402
 from mlxq.worker.engine import Engine  # noqa: E402
 from mlxq.worker.fused_pass import (  # noqa: E402
+    COMPILED_ENV,
     HEAD_ROWS_ENV,
     fused_pass,
     head_in_parts,
@@ -49,6 +50,27 @@ def test_decode_steps_as_one_sequence_give_the_models_logits(loaded):
     for a, b in zip(theirs, ours, strict=True):
         assert a._idx == b._idx and mx.array_equal(a.offset, b.offset).item()
         assert mx.array_equal(a.left_padding, b.left_padding).item()
+
+
+def test_a_decode_steps_layers_compiled_give_the_logits_built_op_by_op(loaded, monkeypatch):
+    """Each layer's work before and after attention as compiled functions: the very logits
+    of the same layers built op by op, step after step and at a new count of rows; and
+    ``MLXQ_COMPILED_LAYERS=0`` builds them op by op."""
+    model = loaded[0]
+    fused = fused_pass(model)
+    assert fused is not None and fused.compiled and "layers compiled" in fused.describe()
+    plain = dataclasses.replace(fused, compiled=())
+    for rows in (3, 2):  # a new count of rows: traced again
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]][:rows]
+        ours, theirs = left_padded_batch(model, prompts), left_padded_batch(model, prompts)
+        tokens = mx.array([3, 4, 5][:rows])
+        for _ in range(3):
+            got, want = fused.decode(tokens, ours), plain.decode(tokens, theirs)
+            assert mx.array_equal(got, want).item()
+            tokens = mx.argmax(want, axis=-1)
+    monkeypatch.setenv(COMPILED_ENV, "0")
+    off = fused_pass(model)
+    assert off is not None and not off.compiled and "compiled" not in off.describe()
 
 
 class CountingHead:

@@ -62,6 +62,10 @@ HEAD_ROWS_ENV = "MLXQ_HEAD_ROWS"
 #: more would pay a tile of their own, as much as the one product.
 _APART = 8
 
+#: ``0`` builds a decode step's layers op by op (:func:`_compiled`), to compare on one
+#: machine.
+COMPILED_ENV = "MLXQ_COMPILED_LAYERS"
+
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -82,6 +86,10 @@ class FusedPass:
     #: and up projections (:mod:`mlxq.worker.joined_linear`; empty: none joined).
     qkv: tuple[Joined | None, ...] = ()
     gate_up: tuple[Joined | None, ...] = ()
+    #: Each layer's token-wise work before attention (its norm and projections) and after
+    #: it (the output projection, the residuals, the norm and the MLP) as two compiled
+    #: functions, for a decode step (:func:`_compiled`; empty: built op by op).
+    compiled: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...] = ()
 
     def describe(self) -> str:
         """What the pass joins and how it attends, for a worker's log."""
@@ -90,6 +98,7 @@ class FusedPass:
             f"query/key/value joined in {sum(map(bool, self.qkv))} of {layers} layers, "
             f"gate/up in {sum(map(bool, self.gate_up))}; decode attention "
             + ("one kernel a layer" if self.one_kernel_attention else "MLX's own")
+            + ("; layers compiled" if self.compiled else "")
         )
 
     def decode(self, tokens: mx.array, caches: list[Any], keep: mx.array | None = None) -> mx.array:
@@ -125,17 +134,15 @@ class FusedPass:
         if width:
             mask = create_attention_mask(h[:, rows:], new_caches[0])
             parts.append((slice(rows, rows + width), 1, width, new_caches, mask))
+        compiled = self.compiled if not width else ()  # a prefill's shapes vary: op by op
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            qkv = self.qkv[i] if self.qkv else None
+            projected = compiled[i][0](h) if compiled else _project(self, i, layer, h)
             k: mx.array | None
-            if qkv is None:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            elif len(qkv.widths) == 2:  # queries and keys as one part (joined_linear)
-                (q, v), k = qkv(x), None
+            if len(projected) == 2:  # queries and keys as one part (joined_linear)
+                (q, v), k = projected, None
             else:
-                q, k, v = qkv(x)
+                q, k, v = projected
             out = [
                 _attend(
                     attn,
@@ -150,10 +157,8 @@ class FusedPass:
                 )
                 for s, b, n, c, m in parts
             ]
-            h = h + attn.o_proj(out[0] if len(out) == 1 else mx.concatenate(out, axis=1))
-            x = layer.post_attention_layernorm(h)
-            gate_up = self.gate_up[i] if self.gate_up else None
-            h = h + (layer.mlp.down_proj(swiglu(*gate_up(x))) if gate_up else layer.mlp(x))
+            o = out[0] if len(out) == 1 else mx.concatenate(out, axis=1)
+            h = compiled[i][1](h, o) if compiled else _after_attention(self, i, layer, h, o)
         share_offsets(caches)
         h = inner.norm(h)
         last = rows + (width - 1 if end is None else end)  # the new row's, where width
@@ -166,6 +171,50 @@ class FusedPass:
             h = _positions(h, mx.array([*range(rows), last]))
         logits = head_in_parts(self.head, h, self.head_rows)
         return logits[:rows], logits[rows:]
+
+
+def _project(fused: FusedPass, i: int, layer: Any, h: mx.array) -> tuple[mx.array, ...]:
+    """Layer ``i``'s norm and projections of the sequence ``h``: its queries, keys and
+    values, or its queries and keys as one part and its values (joined_linear)."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    qkv = fused.qkv[i] if fused.qkv else None
+    if qkv is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    return tuple(qkv(x))
+
+
+def _after_attention(fused: FusedPass, i: int, layer: Any, h: mx.array, o: mx.array) -> mx.array:
+    """Layer ``i``'s output projection of its attention ``o``, its residuals, its norm
+    and its MLP, from the sequence ``h``."""
+    h = h + layer.self_attn.o_proj(o)
+    x = layer.post_attention_layernorm(h)
+    gate_up = fused.gate_up[i] if fused.gate_up else None
+    mlp: mx.array = layer.mlp.down_proj(swiglu(*gate_up(x))) if gate_up else layer.mlp(x)
+    return h + mlp
+
+
+def _compiled(fused: FusedPass) -> FusedPass:
+    """``fused`` with each layer's work before and after attention compiled.
+
+    Why. On MLX's CUDA backend a decode step is the host's: the device waits for it (an
+    H100 40-93% busy beside a sweep, docs/benchmarks.md), and Python building the pass
+    op by op is a third of the host's part. A compiled function replays its recorded ops
+    from C++ (on this machine's CPU, the graph of a 24-layer decode step took 1.9 ms
+    against 2.7). MLX records one trace a shape: a batch's rows change at joins and
+    leaves (rows that keep their place keep its shapes), and each new count is traced
+    once. Attention, the caches and the rotary positions stay op by op."""
+
+    def layer_fns(i: int, layer: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        def before(h: mx.array) -> tuple[mx.array, ...]:
+            return _project(fused, i, layer, h)
+
+        def after(h: mx.array, o: mx.array) -> mx.array:
+            return _after_attention(fused, i, layer, h, o)
+
+        return mx.compile(before), mx.compile(after)
+
+    return replace(fused, compiled=tuple(layer_fns(i, x) for i, x in enumerate(fused.inner.layers)))
 
 
 def _positions(h: mx.array, at: mx.array) -> mx.array:
@@ -267,6 +316,8 @@ def fused_pass(model: Any) -> FusedPass | None:
     if decode_attention.enabled():
         one_kernel = replace(fused, one_kernel_attention=True)
         fused = _checked(model, "decode attention", lambda: one_kernel) or fused
+    if os.environ.get(COMPILED_ENV, "1").strip() != "0":
+        fused = _checked(model, "compiled layers", lambda: _compiled(fused)) or fused
     return fused
 
 
