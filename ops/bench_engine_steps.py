@@ -250,7 +250,7 @@ def parts(trace: Path, windows: Windows, steps: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--model", help="mlx-lm model dir or repo id (default: the tiny model)")
-    ap.add_argument("--shape", choices=("0.5b", "1.5b"), help="build a random model of it")
+    ap.add_argument("--shape", choices=("0.5b", "1.5b", "deep"), help="build a random model of it")
     ap.add_argument("--rows", type=int, default=62, help="the sweep's greedy rows (62)")
     ap.add_argument("--steps", type=int, default=100, help="timed steps a phase (100)")
     ap.add_argument("--settle", type=int, default=8, help="untimed steps after a change (8)")
@@ -276,9 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.shape:
                 code = (
                     "import sys; from mlxq.worker.random_model import build_random_model as b; "
-                    "b(sys.argv[1], shape=sys.argv[2], eos_reachable=False)"
+                    "b(sys.argv[1], shape=sys.argv[2], eos_reachable=False, dtype=sys.argv[3])"
                 )
-                subprocess.run([sys.executable, "-c", code, model, args.shape], check=True)
+                # deep: a CPU's look at a real model's count of ops, in float32 (a CPU's
+                # bfloat16 products are several times slower)
+                dtype = "float32" if args.shape == "deep" else "bfloat16"
+                subprocess.run([sys.executable, "-c", code, model, args.shape, dtype], check=True)
             else:
                 subprocess.run([str(MLXQ), "model", "tiny", model], check=True, capture_output=True)
         windows: Windows = {}

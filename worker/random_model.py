@@ -45,6 +45,17 @@ SHAPES: dict[str, dict[str, int]] = {
         head_dim=32,
         vocab_size=4096,
     ),
+    # The tiny widths with the 0.5B shape's 24 layers: a decode pass's host work (its ops
+    # and launches) at a real model's count, its compute still a CPU's.
+    "deep": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=4096,
+    ),
     "0.5b": dict(
         hidden_size=896,
         intermediate_size=4864,
@@ -208,8 +219,9 @@ def build_random_model(
 
     Args:
         out_dir: Directory to write into; created (with parents) if missing.
-        shape: ``"tiny"`` (fast on a CPU, 4,096 tokens), ``"0.5b"`` or ``"1.5b"``
-            (Qwen2.5's dims and its 151,936-token vocabulary).
+        shape: ``"tiny"`` (fast on a CPU, 4,096 tokens), ``"deep"`` (tiny's widths,
+            24 layers: a pass's host work at a real model's count of ops), ``"0.5b"`` or
+            ``"1.5b"`` (Qwen2.5's dims and its 151,936-token vocabulary).
         bits: Bits per weight for mlx's affine quantization (group size 64);
             None keeps the weights in ``dtype``.
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the weights'
