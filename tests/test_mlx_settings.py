@@ -44,3 +44,15 @@ def test_a_large_pass_gives_cached_buffers_back_only_past_the_share():
         assert trim_cache() and mx.get_cache_memory() == 0
     finally:
         mx.set_memory_limit(limit)
+
+
+def test_the_trim_may_be_told_to_clear_every_time(monkeypatch):
+    import mlx.core as mx
+
+    from mlxq.worker.mlx_settings import TRIM_ENV, trim_cache
+
+    mx.eval(mx.ones((256, 1024)))  # freed at once: cached
+    assert mx.get_cache_memory() > 0
+    assert not trim_cache()  # a small cache is kept
+    monkeypatch.setenv(TRIM_ENV, "0")  # mlx-lm's way: every large pass clears it
+    assert trim_cache() and mx.get_cache_memory() == 0

@@ -52,6 +52,7 @@ def on_cuda() -> bool:
 #: The share of MLX's memory limit its buffer cache may hold before a large pass gives it
 #: back (:func:`trim_cache`).
 CACHE_SHARE = 16
+TRIM_ENV = "MLXQ_TRIM_CACHE"
 
 
 def trim_cache() -> bool:
@@ -63,10 +64,12 @@ def trim_cache() -> bool:
     every buffer the next decode steps allocate again: on an H100 a worker's decode thread
     spent 2.4% of its time freeing them (py-spy, docs/benchmarks.md). MLX itself gives
     cached buffers back when an allocation would pass its memory limit, so a bounded cache
-    costs no room a pass needs."""
+    costs no room a pass needs. ``MLXQ_TRIM_CACHE=0`` clears it every time, as mlx-lm
+    does, to compare the two on one machine."""
     import mlx.core as mx
 
-    if mx.get_cache_memory() * CACHE_SHARE <= mx.get_memory_limit():
+    keep = os.environ.get(TRIM_ENV, "1").strip() != "0"
+    if keep and mx.get_cache_memory() * CACHE_SHARE <= mx.get_memory_limit():
         return False
     mx.clear_cache()
     return True
