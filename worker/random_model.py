@@ -32,30 +32,24 @@ from mlxq.worker.tiny import (
     write_checkpoint,
 )
 
+# Fast on a CPU: a forward pass of a few milliseconds, yet quantized like the others and
+# with a vocabulary past the tokenizer's, so padding is exercised.
+_TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=4096,
+)
+
 #: Model dims per shape: 0.5b and 1.5b are Qwen2.5's (without its qkv bias).
 SHAPES: dict[str, dict[str, int]] = {
-    # Fast on a CPU: a forward pass of a few milliseconds, yet quantized like the
-    # others and with a vocabulary past the tokenizer's, so padding is exercised.
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=4096,
-    ),
+    "tiny": _TINY,
     # The tiny widths with the 0.5B shape's 24 layers: a decode pass's host work (its ops
     # and launches) at a real model's count, its compute still a CPU's.
-    "deep": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=4096,
-    ),
+    "deep": {**_TINY, "num_hidden_layers": 24},
     "0.5b": dict(
         hidden_size=896,
         intermediate_size=4864,
