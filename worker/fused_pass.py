@@ -200,8 +200,8 @@ def _compiled(fused: FusedPass) -> FusedPass:
     Why. On MLX's CUDA backend a decode step is the host's: the device waits for it (an
     H100 40-93% busy beside a sweep, docs/benchmarks.md), and Python building the pass
     op by op is a third of the host's part. A compiled function replays its recorded ops
-    from C++ (on this machine's CPU, the graph of a 24-layer decode step took 1.9 ms
-    against 2.7). MLX records one trace a shape: a batch's rows change at joins and
+    from C++ (on a CPU, a 24-layer decode pass's graph took 2.7-3.2 ms against 3.4-4.0,
+    docs/benchmarks.md). MLX records one trace a shape: a batch's rows change at joins and
     leaves (rows that keep their place keep its shapes), and each new count is traced
     once. Attention, the caches and the rotary positions stay op by op."""
 
