@@ -329,8 +329,8 @@ class BoundGenerationBatch(GenerationBatch):  # type: ignore[misc]
                 self.prompt_cache = caches
         else:
             self.counters.slot_gathers += bool(self.slots.free)
-            self.counters.rows_joined_by_copy += len(their_held) if self.uids else 0
-            if self.uids:  # the trace says why (stage_trace counts the reasons)
+            if self.uids:  # rows copied beside rows already here; the trace says why
+                self.counters.rows_joined_by_copy += len(their_held)
                 self.counters.stages.note(copy=self.slots.refused, rows=len(their_held))
             self.slots.drop_dead(self.prompt_cache, held)
             rows = len(self.uids)
