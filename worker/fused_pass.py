@@ -134,10 +134,16 @@ class FusedPass:
         if width:
             mask = create_attention_mask(h[:, rows:], new_caches[0])
             parts.append((slice(rows, rows + width), 1, width, new_caches, mask))
-        compiled = self.compiled if not width else ()  # a prefill's shapes vary: op by op
+        # A prefill's shapes vary, and a cache of one row counts its offset in Python (a
+        # new trace each step): both op by op.
+        compiled = self.compiled if not width and isinstance(caches[0].offset, mx.array) else ()
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            projected = compiled[i][0](h) if compiled else _project(self, i, layer, h)
+            if compiled:  # one part: the batch's rows, a token each
+                mask = parts[0][4]
+                h = _layer(compiled[i], attn, h, caches[i], mask, self.one_kernel_attention)
+                continue
+            projected = _project(self, i, layer, h)
             k: mx.array | None
             if len(projected) == 2:  # queries and keys as one part (joined_linear)
                 (q, v), k = projected, None
@@ -158,7 +164,7 @@ class FusedPass:
                 for s, b, n, c, m in parts
             ]
             o = out[0] if len(out) == 1 else mx.concatenate(out, axis=1)
-            h = compiled[i][1](h, o) if compiled else _after_attention(self, i, layer, h, o)
+            h = _after_attention(self, i, layer, h, o)
         share_offsets(caches)
         h = inner.norm(h)
         last = rows + (width - 1 if end is None else end)  # the new row's, where width
@@ -195,26 +201,54 @@ def _after_attention(fused: FusedPass, i: int, layer: Any, h: mx.array, o: mx.ar
 
 
 def _compiled(fused: FusedPass) -> FusedPass:
-    """``fused`` with each layer's work before and after attention compiled.
+    """``fused`` with each layer's work before and after attention compiled, for a decode
+    step: before, its norm, projections, heads and rotary positions (the rows' offsets
+    an input); after, the heads joined, the output projection, the residuals, the norm
+    and the MLP.
 
     Why. On MLX's CUDA backend a decode step is the host's: the device waits for it (an
     H100 40-93% busy beside a sweep, docs/benchmarks.md), and Python building the pass
     op by op is a third of the host's part. A compiled function replays its recorded ops
-    from C++ (on a CPU, a 24-layer decode pass's graph took 2.7-3.2 ms against 3.4-4.0,
-    docs/benchmarks.md). MLX records one trace a shape: a batch's rows change at joins and
-    leaves (rows that keep their place keep its shapes), and each new count is traced
-    once. Attention, the caches and the rotary positions stay op by op."""
+    from C++ (on a CPU, a 24-layer decode pass's graph took 2.7-3.2 ms against 3.4-4.0
+    with the projections and the MLP compiled, docs/benchmarks.md). MLX records one trace
+    a shape: a batch's rows change at joins and leaves (rows that keep their place keep
+    its shapes), and each new count is traced once. The caches and attention, whose
+    shapes grow each step, stay op by op."""
 
     def layer_fns(i: int, layer: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        def before(h: mx.array) -> tuple[mx.array, ...]:
-            return _project(fused, i, layer, h)
+        attn = layer.self_attn
+
+        def before(h: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+            projected = _project(fused, i, layer, h)
+            rows = h.shape[1]
+            if len(projected) == 2:  # queries and keys as one part (joined_linear)
+                return _heads(attn, projected[0][0], None, projected[1][0], rows, 1, offset)
+            q, k, v = projected
+            return _heads(attn, q[0], k[0], v[0], rows, 1, offset)
 
         def after(h: mx.array, o: mx.array) -> mx.array:
+            o = o.transpose(0, 2, 1, 3).reshape(1, o.shape[0] * o.shape[2], -1)
             return _after_attention(fused, i, layer, h, o)
 
         return mx.compile(before), mx.compile(after)
 
     return replace(fused, compiled=tuple(layer_fns(i, x) for i, x in enumerate(fused.inner.layers)))
+
+
+def _layer(
+    fns: tuple[Callable[..., Any], Callable[..., Any]],
+    attn: Any,
+    h: mx.array,
+    cache: Any,
+    mask: Any,
+    one_kernel: bool,
+) -> mx.array:
+    """A decode step's layer by its compiled parts (:func:`_compiled`), from the sequence
+    ``h`` of the batch's rows."""
+    before, after = fns
+    q, k, v = before(h, cache.offset)
+    out: mx.array = after(h, _attend_heads(attn, q, k, v, cache, mask, one_kernel))
+    return out
 
 
 def _positions(h: mx.array, at: mx.array) -> mx.array:
@@ -262,27 +296,39 @@ def _attend(
     can: :mod:`~mlxq.worker.decode_attention`); returned as (1, b * n, heads x dims).
     With ``k`` None, ``q`` holds the queries and the keys as one part (joined projections
     with nothing between them and the rotary embedding): one embedding for both."""
+    q, k, v = _heads(attn, q, k, v, b, n, cache.offset)
+    o = _attend_heads(attn, q, k, v, cache, mask, one_kernel)
+    return o.transpose(0, 2, 1, 3).reshape(1, b * n, -1)
+
+
+def _heads(
+    attn: Any, q: mx.array, k: mx.array | None, v: mx.array, b: int, n: int, offset: Any
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A part's projections as heads, (b, heads, n, dims), its queries and keys at their
+    rotary positions from ``offset`` (the cache's; ``k`` None: see :func:`_attend`)."""
     v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if k is None:
         qk = q.reshape(b, n, attn.n_heads + attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        qk = attn.rope(qk, offset=cache.offset)
-        q, k = qk[:, : attn.n_heads], qk[:, attn.n_heads :]
-    else:
-        q = q.reshape(b, n, attn.n_heads, -1)
-        k = k.reshape(b, n, attn.n_kv_heads, -1)
-        if (q_norm := getattr(attn, "q_norm", None)) is not None:
-            q = q_norm(q)
-        if (k_norm := getattr(attn, "k_norm", None)) is not None:
-            k = k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        q = attn.rope(q, offset=cache.offset)
-        k = attn.rope(k, offset=cache.offset)
+        qk = attn.rope(qk, offset=offset)
+        return qk[:, : attn.n_heads], qk[:, attn.n_heads :], v
+    q = q.reshape(b, n, attn.n_heads, -1)
+    k = k.reshape(b, n, attn.n_kv_heads, -1)
+    if (q_norm := getattr(attn, "q_norm", None)) is not None:
+        q = q_norm(q)
+    if (k_norm := getattr(attn, "k_norm", None)) is not None:
+        k = k_norm(k)
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+    return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+
+def _attend_heads(
+    attn: Any, q: mx.array, k: mx.array, v: mx.array, cache: Any, mask: Any, one_kernel: bool
+) -> mx.array:
+    """Heads' attention over ``cache`` once ``k`` and ``v`` are in it: (b, heads, n, dims)."""
     k, v = cache.update_and_fetch(k, v)
     if one_kernel and decode_attention.usable(q, k, v, mask):
-        o = decode_attention.decode_attention(q, k, v, mask, attn.scale)
-    else:
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-    return o.transpose(0, 2, 1, 3).reshape(1, b * n, -1)
+        return decode_attention.decode_attention(q, k, v, mask, attn.scale)
+    return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
 
 
 def fused_pass(model: Any) -> FusedPass | None:
