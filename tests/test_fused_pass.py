@@ -53,10 +53,13 @@ def test_decode_steps_as_one_sequence_give_the_models_logits(loaded):
 
 
 def test_a_decode_steps_layers_compiled_give_the_logits_built_op_by_op(loaded, monkeypatch):
-    """Each layer's work before and after attention as compiled functions: the very logits
-    of the same layers built op by op, step after step and at a new count of rows; and
-    ``MLXQ_COMPILED_LAYERS=0`` builds them op by op."""
+    """Each layer's work before and after attention as compiled functions (off by default,
+    ``MLXQ_COMPILED_LAYERS=1`` turns them on): the very logits of the same layers built
+    op by op, step after step and at a new count of rows."""
     model = loaded[0]
+    default = fused_pass(model)
+    assert default is not None and not default.compiled and "compiled" not in default.describe()
+    monkeypatch.setenv(COMPILED_ENV, "1")
     fused = fused_pass(model)
     assert fused is not None and fused.compiled and "layers compiled" in fused.describe()
     plain = dataclasses.replace(fused, compiled=())
@@ -68,9 +71,6 @@ def test_a_decode_steps_layers_compiled_give_the_logits_built_op_by_op(loaded, m
             got, want = fused.decode(tokens, ours), plain.decode(tokens, theirs)
             assert mx.array_equal(got, want).item()
             tokens = mx.argmax(want, axis=-1)
-    monkeypatch.setenv(COMPILED_ENV, "0")
-    off = fused_pass(model)
-    assert off is not None and not off.compiled and "compiled" not in off.describe()
 
 
 class CountingHead:

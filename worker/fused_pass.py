@@ -62,8 +62,13 @@ HEAD_ROWS_ENV = "MLXQ_HEAD_ROWS"
 #: more would pay a tile of their own, as much as the one product.
 _APART = 8
 
-#: ``0`` builds a decode step's layers op by op (:func:`_compiled`), to compare on one
-#: machine.
+#: Whether a decode step's layers run as compiled parts (:func:`_compiled`) unless told:
+#: off on every backend. On an H100 (0.5B shape, a sweep beside chat jobs, four runs each
+#: way alternating) the parts took 0.4 ms a step off the host's graph but added more to
+#: its launch (0.4 ms at 62 rows, 0.8-1.2 at 63), and the sweep's share fell from 0.947
+#: to 0.864 at the mean of 16 windows each (docs/benchmarks.md). ``MLXQ_COMPILED_LAYERS``
+#: ``1`` or ``0`` chooses either way.
+COMPILED_LAYERS = False
 COMPILED_ENV = "MLXQ_COMPILED_LAYERS"
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
@@ -362,7 +367,7 @@ def fused_pass(model: Any) -> FusedPass | None:
     if decode_attention.enabled():
         one_kernel = replace(fused, one_kernel_attention=True)
         fused = _checked(model, "decode attention", lambda: one_kernel) or fused
-    if os.environ.get(COMPILED_ENV, "1").strip() != "0":
+    if os.environ.get(COMPILED_ENV, "1" if COMPILED_LAYERS else "0").strip() == "1":
         fused = _checked(model, "compiled layers", lambda: _compiled(fused)) or fused
     return fused
 
