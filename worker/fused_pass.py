@@ -37,11 +37,12 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlxq.worker import decode_attention, joined_linear
 from mlxq.worker.joined_linear import Joined
+from mlxq.worker.layer_attention import attend, attend_heads, heads
 from mlxq.worker.mlx_settings import on_cuda
 from mlxq.worker.model_head import close, head_of
 
@@ -155,7 +156,7 @@ class FusedPass:
             else:
                 q, k, v = projected
             out = [
-                _attend(
+                attend(
                     attn,
                     q[0, s],
                     None if k is None else k[0, s],
@@ -227,9 +228,9 @@ def _compiled(fused: FusedPass) -> FusedPass:
             projected = _project(fused, i, layer, h)
             rows = h.shape[1]
             if len(projected) == 2:  # queries and keys as one part (joined_linear)
-                return _heads(attn, projected[0][0], None, projected[1][0], rows, 1, offset)
+                return heads(attn, projected[0][0], None, projected[1][0], rows, 1, offset)
             q, k, v = projected
-            return _heads(attn, q[0], k[0], v[0], rows, 1, offset)
+            return heads(attn, q[0], k[0], v[0], rows, 1, offset)
 
         def after(h: mx.array, o: mx.array) -> mx.array:
             o = o.transpose(0, 2, 1, 3).reshape(1, o.shape[0] * o.shape[2], -1)
@@ -252,7 +253,7 @@ def _layer(
     ``h`` of the batch's rows."""
     before, after = fns
     q, k, v = before(h, cache.offset)
-    out: mx.array = after(h, _attend_heads(attn, q, k, v, cache, mask, one_kernel))
+    out: mx.array = after(h, attend_heads(attn, q, k, v, cache, mask, one_kernel))
     return out
 
 
@@ -283,57 +284,6 @@ def head_in_parts(head: Callable[[mx.array], mx.array], h: mx.array, part: int) 
         return head(h)[0]
     cut = n - rest
     return mx.concatenate([head(h[:, :cut])[0], head(h[:, cut:])[0]])
-
-
-def _attend(
-    attn: Any,
-    q: mx.array,
-    k: mx.array | None,
-    v: mx.array,
-    b: int,
-    n: int,
-    cache: Any,
-    mask: Any,
-    one_kernel: bool = False,
-) -> mx.array:
-    """One part's attention, as the model's own attention module runs it on (b, n) tokens
-    after its projections (with ``one_kernel``, a decode step's as one kernel where it
-    can: :mod:`~mlxq.worker.decode_attention`); returned as (1, b * n, heads x dims).
-    With ``k`` None, ``q`` holds the queries and the keys as one part (joined projections
-    with nothing between them and the rotary embedding): one embedding for both."""
-    q, k, v = _heads(attn, q, k, v, b, n, cache.offset)
-    o = _attend_heads(attn, q, k, v, cache, mask, one_kernel)
-    return o.transpose(0, 2, 1, 3).reshape(1, b * n, -1)
-
-
-def _heads(
-    attn: Any, q: mx.array, k: mx.array | None, v: mx.array, b: int, n: int, offset: Any
-) -> tuple[mx.array, mx.array, mx.array]:
-    """A part's projections as heads, (b, heads, n, dims), its queries and keys at their
-    rotary positions from ``offset`` (the cache's; ``k`` None: see :func:`_attend`)."""
-    v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if k is None:
-        qk = q.reshape(b, n, attn.n_heads + attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        qk = attn.rope(qk, offset=offset)
-        return qk[:, : attn.n_heads], qk[:, attn.n_heads :], v
-    q = q.reshape(b, n, attn.n_heads, -1)
-    k = k.reshape(b, n, attn.n_kv_heads, -1)
-    if (q_norm := getattr(attn, "q_norm", None)) is not None:
-        q = q_norm(q)
-    if (k_norm := getattr(attn, "k_norm", None)) is not None:
-        k = k_norm(k)
-    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-    return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
-
-
-def _attend_heads(
-    attn: Any, q: mx.array, k: mx.array, v: mx.array, cache: Any, mask: Any, one_kernel: bool
-) -> mx.array:
-    """Heads' attention over ``cache`` once ``k`` and ``v`` are in it: (b, heads, n, dims)."""
-    k, v = cache.update_and_fetch(k, v)
-    if one_kernel and decode_attention.usable(q, k, v, mask):
-        return decode_attention.decode_attention(q, k, v, mask, attn.scale)
-    return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
 
 
 def fused_pass(model: Any) -> FusedPass | None:
