@@ -739,13 +739,23 @@ def turn_ratios(turns: Sequence[Turn]) -> list[float]:
     return out
 
 
+def floor_of(chat: int, sweep: int) -> float:
+    """The sweep's floor: 0.95 of its rate less the rows the interactive jobs took (their
+    share of the ``chat + sweep`` tokens decoded while both ran)."""
+    return 0.95 * (1 - chat / max(1, chat + sweep))
+
+
+def turns_floor(turns: Sequence[Turn]) -> float:
+    """The floor of a turns run, from its "on" windows' tokens."""
+    on = [t for t in turns if t.on]
+    return floor_of(sum(t.chat for t in on), sum(t.sweep for t in on))
+
+
 def turns_target(turns: Sequence[Turn], probes: Sequence[Followed]) -> list[Target]:
     ratios = turn_ratios(turns)
     if not ratios:
         return []
-    on = [t for t in turns if t.on]
-    share = sum(t.chat for t in on) / max(1, sum(t.chat + t.sweep for t in on))
-    got, floor = statistics.median(ratios), 0.95 * (1 - share)
+    got, floor = statistics.median(ratios), turns_floor(turns)
     firsts = sorted(p.first_s for p in probes if p.first_s is not None)
     return [
         (
@@ -824,7 +834,8 @@ def sweep_share(alone: Phase, both: Phase) -> tuple[float, float, float] | None:
     if not (alone.sweep and both.sweep and alone.sweep.tok_s):
         return None
     share = both.chat_tokens / max(1, both.chat_tokens + both.sweep.tokens)
-    return both.sweep.tok_s / alone.sweep.tok_s, 0.95 * (1 - share), share
+    ratio = both.sweep.tok_s / alone.sweep.tok_s
+    return ratio, floor_of(both.chat_tokens, both.sweep.tokens), share
 
 
 def pairs_target(pairs: Sequence[tuple[Phase, Phase]]) -> list[Target]:

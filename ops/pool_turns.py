@@ -26,22 +26,29 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_priority import Turn, turns_floor
+
 DRAWS = 5000
 
 
 def floor(doc: dict[str, Any]) -> float | None:
-    """A run's floor: 0.95 x (1 - the chat rows' share of the on windows' tokens)."""
-    on = [t for t in doc.get("turns", []) if t.get("on")]
-    total = sum(t["chat"] + t["sweep"] for t in on)
-    return 0.95 * (1 - sum(t["chat"] for t in on) / total) if total else None
+    """A run's floor (bench_priority's, from its on windows' tokens); None without any."""
+    turns = [Turn(**{k: t[k] for k in ("on", "sweep", "chat", "seconds")}) for t in doc["turns"]]
+    return turns_floor(turns) if any(t.on and t.chat + t.sweep for t in turns) else None
 
 
 def interval(
-    values: Sequence[float], stat: Callable[[Sequence[float]], float], rng: random.Random
+    rng: random.Random, stat: Callable[..., float], *samples: Sequence[float]
 ) -> tuple[float, float]:
-    """The 5th and 95th percentiles of ``stat`` over bootstrap resamples of ``values``."""
-    draws = sorted(stat(rng.choices(values, k=len(values))) for _ in range(DRAWS))
+    """The 5th and 95th percentiles of ``stat`` over :data:`DRAWS` bootstrap resamples
+    of ``samples`` (each resampled apart)."""
+    draws = sorted(stat(*(rng.choices(x, k=len(x)) for x in samples)) for _ in range(DRAWS))
     return draws[int(0.05 * DRAWS)], draws[int(0.95 * DRAWS) - 1]
+
+
+def mean_difference(a: Sequence[float], b: Sequence[float]) -> float:
+    return statistics.fmean(a) - statistics.fmean(b)
 
 
 def load(specs: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
@@ -86,8 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         pooled[label] = ratios
         sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
-        lo, hi = interval(ratios, statistics.fmean, rng)
-        mlo, mhi = interval(ratios, statistics.median, rng)
+        lo, hi = interval(rng, statistics.fmean, ratios)
+        mlo, mhi = interval(rng, statistics.median, ratios)
         fl = f"{min(floors):.3f}-{max(floors):.3f}" if floors else "-"
         med, mean = statistics.median(ratios), statistics.fmean(ratios)
         print(
@@ -98,16 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = list(pooled)
     for a, b in itertools.pairwise(labels):
         xa, xb = pooled[a], pooled[b]
-        diffs = sorted(
-            statistics.fmean(rng.choices(xa, k=len(xa)))
-            - statistics.fmean(rng.choices(xb, k=len(xb)))
-            for _ in range(DRAWS)
-        )
-        d = statistics.fmean(xa) - statistics.fmean(xb)
-        print(
-            f"{a} - {b}: mean {d:+.3f} (90% {diffs[int(0.05 * DRAWS)]:+.3f} to "
-            f"{diffs[int(0.95 * DRAWS) - 1]:+.3f})"
-        )
+        lo, hi = interval(rng, mean_difference, xa, xb)
+        d = mean_difference(xa, xb)
+        print(f"{a} - {b}: mean {d:+.3f} (90% {lo:+.3f} to {hi:+.3f})")
     return 0
 
 

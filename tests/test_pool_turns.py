@@ -14,16 +14,17 @@ import pool_turns
 
 def _run(path: Path, ratios: list[float], chat: int, sweep: int) -> str:
     turns = [
-        {"on": False, "chat": 0, "sweep": 1000},
-        {"on": True, "chat": chat, "sweep": sweep},
-        {"on": False, "chat": 0, "sweep": 1000},
+        {"on": False, "chat": 0, "sweep": 1000, "seconds": 4.0},
+        {"on": True, "chat": chat, "sweep": sweep, "seconds": 4.0},
+        {"on": False, "chat": 0, "sweep": 1000, "seconds": 4.0},
     ]
     path.write_text(json.dumps({"turns": turns, "turn_ratios": ratios}))
     return str(path)
 
 
 def test_floor_is_the_chat_rows_share_off_095() -> None:
-    doc = {"turns": [{"on": True, "chat": 50, "sweep": 950}, {"on": False, "chat": 0, "sweep": 9}]}
+    on = {"on": True, "chat": 50, "sweep": 950, "seconds": 4.0}
+    doc = {"turns": [on, {"on": False, "chat": 0, "sweep": 9, "seconds": 4.0}]}
     assert pool_turns.floor(doc) == pytest.approx(0.95 * 0.95)
     assert pool_turns.floor({"turns": []}) is None
 
