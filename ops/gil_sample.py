@@ -163,19 +163,26 @@ def table(held: dict[bool, Held], frames: int = 12) -> str:
     a, b = off.ms_a_s(sum(off.threads.values())), on.ms_a_s(sum(on.threads.values()))
     out.append(f"| all | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
     grew = {k: on.ms_a_s(on.frames[k]) - off.ms_a_s(off.frames[k]) for k in on.frames}
-    out += ["", "frames (mlxq's innermost) whose share grew most, ms a second on - off"]
-    out += ["| thread | frame | off | on |", "|---|---|---|---|"]
-    for k in sorted(grew, key=lambda k: -grew[k])[:frames]:
+    out += _frames(
+        held,
+        "frames (mlxq's innermost) whose share grew most, ms a second on - off",
+        sorted(grew, key=lambda k: -grew[k])[:frames],
+    )
+    if native():  # where the threads spend their time at all, not only what grew
+        top = [k for k, _ in off.frames.most_common(frames)]
+        out += _frames(held, "frames taking the most, ms a second (off windows)", top)
+    return "\n".join(out)
+
+
+def _frames(held: dict[bool, Held], title: str, keys: Sequence[tuple[str, str]]) -> list[str]:
+    """A table of (thread, frame) ``keys``, each with its ms a second off and on."""
+    off, on = held[False], held[True]
+    out = ["", title, "| thread | frame | off | on |", "|---|---|---|---|"]
+    for k in keys:
         out.append(
             f"| {k[0]} | {k[1]} | {off.ms_a_s(off.frames[k]):.1f} | {on.ms_a_s(on.frames[k]):.1f} |"
         )
-    if native():  # where the threads spend their time at all, not only what grew
-        out += ["", "frames taking the most, ms a second (off windows)"]
-        out += ["| thread | frame | off | on |", "|---|---|---|---|"]
-        for k, _ in off.frames.most_common(frames):
-            a, b = off.ms_a_s(off.frames[k]), on.ms_a_s(on.frames[k])
-            out.append(f"| {k[0]} | {k[1]} | {a:.1f} | {b:.1f} |")
-    return "\n".join(out)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
