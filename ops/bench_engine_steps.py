@@ -18,7 +18,8 @@ sampler, its detokenizers and deltas), with no Redis and no helper thread, in ro
 
 Each phase steps ``--settle`` times untimed after its row joined or left, then times
 ``--steps`` steps; dead slots are gathered between phases. Steps of a phase where a row
-ended (an end of sequence) are left out.
+ended (an end of sequence) are left out. ``--after`` times the settle steps too, one by
+one: what the first steps after a row joined or left cost over the steady ones.
 With ``MLXQ_TRACE_STAGES=FILE`` set, it also prints each phase's decode step parts (the
 model pass's graph, the sampler's, the launch, the wait for the last step's tokens: see
 ``mlxq.worker.stages``), ms at the mean over its timed steps: the host's share apart.
@@ -28,6 +29,7 @@ on a GPU each node but a view is a launch of the host's.
     python ops/bench_engine_steps.py --shape 0.5b             # a GPU: the worker's 0.5B shape
     python ops/bench_engine_steps.py --model DIR --rows 62    # any mlx-lm model
     python ops/bench_engine_steps.py --steps 20 --rounds 2    # the tiny model: a CPU's look
+    python ops/bench_engine_steps.py --shape 0.5b --after --rounds 20  # the steps after a join
 """
 
 from __future__ import annotations
@@ -84,6 +86,20 @@ def job(engine: Engine, name: str, tokens: int, **sampling: object) -> Job:
     return j
 
 
+def settle(engine: Engine, n: int, key: str, after: After | None, windows: Windows) -> None:
+    """``n`` steps after a change; with ``after``, each one's milliseconds under ``key``
+    by its place (first, second, ...), and the first two's and the last's spans in
+    ``windows`` as ``key #place``."""
+    for i in range(n):
+        start = time.perf_counter()
+        apply_deltas(engine.step())
+        if after is not None:
+            end = time.perf_counter()
+            after.setdefault(key, [[] for _ in range(n)])[i].append((end - start) * 1e3)
+            if i in (0, 1, n - 1):  # the parts of the first two and the last
+                windows.setdefault(f"{key} #{i + 1}", []).append((start, end))
+
+
 def steps_ms(engine: Engine, n: int) -> list[float]:
     """``n`` engine steps, each one's wall milliseconds; none if a row ended among them."""
     out, before = [], engine.active
@@ -121,10 +137,17 @@ def nodes(dot: str) -> Counter[str]:
 
 #: Each phase's timed windows (perf_counter start, end): the trace's parts are read in them.
 Windows = dict[str, list[tuple[float, float]]]
+#: ``--after``: each "phase join" / "phase leave", the milliseconds of its settle steps by
+#: place, over rounds.
+After = dict[str, list[list[float]]]
 
 
 def run(
-    args: argparse.Namespace, model: str, windows: Windows, graphs: dict[str, Counter[str]]
+    args: argparse.Namespace,
+    model: str,
+    windows: Windows,
+    graphs: dict[str, Counter[str]],
+    after: After | None = None,
 ) -> dict[str, list[float | None]]:
     engine = Engine.load(model, max_batch=args.rows + 2, prompt_cache_bytes=0)
     print("decode pass:", engine.fused.describe() if engine.fused else "mlx-lm's own call")
@@ -144,13 +167,11 @@ def run(
             ]
             if extra:
                 engine.add(extra)
-            for _ in range(args.settle):
-                apply_deltas(engine.step())
+            settle(engine, args.settle, f"{phase} join", after if extra else None, windows)
             if gone := extra[len(extra) - DEAD.get(phase, 0) :]:
                 engine.remove(gone)
                 extra = extra[: len(extra) - len(gone)]
-                for _ in range(args.settle):
-                    apply_deltas(engine.step())
+                settle(engine, args.settle, f"{phase} leave", after, windows)
             slots.setdefault(phase, _slots(engine))
             if args.nodes and phase not in graphs:
                 seen: list[str] = []
@@ -164,8 +185,7 @@ def run(
                 windows.setdefault(phase, []).append((start, time.perf_counter()))
             if extra:
                 engine.remove(extra)
-                for _ in range(args.settle):
-                    apply_deltas(engine.step())
+                settle(engine, args.settle, f"{phase} leave", after, windows)
             _gather_dead(engine)
         print(
             f"round {r + 1}: " + ", ".join(f"{p} {_ms(got[p][-1])}" for p in args.phases),
@@ -231,19 +251,32 @@ def report(got: dict[str, list[float | None]], rows: int) -> str:
     return "\n".join(lines)
 
 
+def report_after(after: After) -> str:
+    """``--after``: each join's and leave's settle steps, ms at the median by place."""
+    lines = ["steps after a row joined or left, ms at the median of rounds, by place"]
+    for key, places in after.items():
+        lines.append(f"  {key:<16} " + " ".join(_ms(_median(x)) for x in places))
+    return "\n".join(lines)
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
 def parts(trace: Path, windows: Windows, steps: int) -> str:
-    """Each phase's decode step parts from the stage trace, ms a step at the mean."""
+    """Each phase's decode step parts from the stage trace, ms a step at the mean (a
+    window named "... #place" is one step: ``--after``'s)."""
     lines = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
     names = ("graph", "sample", "launch", "wait")
     out = ["decode step parts, ms a step at the mean (the stage trace)"]
-    out.append("  phase    " + " ".join(f"{n:>7}" for n in names))
+    out.append(f"  {'phase':<16} " + " ".join(f"{n:>7}" for n in names))
     for phase, spans in windows.items():
         ms = dict.fromkeys(names, 0.0)
         for x in lines:
             if x.get("part") and x["stage"] in ms and any(a <= x["t"] < b for a, b in spans):
                 ms[x["stage"]] += x["ms"]
-        n = steps * len(spans)
-        out.append(f"  {phase:<8} " + " ".join(f"{ms[k] / n:7.3f}" for k in names))
+        n = (1 if "#" in phase else steps) * len(spans)
+        out.append(f"  {phase:<16} " + " ".join(f"{ms[k] / n:7.3f}" for k in names))
     return "\n".join(out)
 
 
@@ -263,6 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"also: {', '.join(k for k in EXTRA if k not in PHASES)})",
     )
     ap.add_argument("--nodes", action="store_true", help="each phase's step graph by primitive")
+    ap.add_argument(
+        "--after",
+        action="store_true",
+        help="time the --settle steps after each join and leave one by one",
+    )
     args = ap.parse_args(argv)
     bad = [p for p in args.phases if p != "greedy" and p not in EXTRA]
     if bad or "greedy" not in args.phases:
@@ -286,7 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 subprocess.run([str(MLXQ), "model", "tiny", model], check=True, capture_output=True)
         windows: Windows = {}
         graphs: dict[str, Counter[str]] = {}
-        print(report(run(args, model, windows, graphs), args.rows))
+        after: After | None = {} if args.after else None
+        print(report(run(args, model, windows, graphs, after), args.rows))
+        if after:
+            print(report_after(after))
         for phase, count in graphs.items():
             top = ", ".join(f"{k} {v}" for k, v in count.most_common())
             print(f"{phase} step's graph: {sum(count.values())} nodes: {top}")
