@@ -25,10 +25,12 @@ def test_a_worker_sets_it_and_says_so(monkeypatch: pytest.MonkeyPatch, start_wor
     assert f"mlx: {CHECK}=0 (the worker's default; set it to choose)" in text, text
 
 
-def test_a_large_pass_gives_cached_buffers_back_only_past_the_share():
+def test_a_kept_cache_is_given_back_only_past_the_share(monkeypatch):
     import mlx.core as mx
 
-    from mlxq.worker.mlx_settings import CACHE_SHARE, trim_cache
+    from mlxq.worker.mlx_settings import CACHE_SHARE, TRIM_ENV, trim_cache
+
+    monkeypatch.setenv(TRIM_ENV, "1")  # keep the cache up to its share
 
     mx.clear_cache()
     limit = mx.get_memory_limit()
@@ -46,13 +48,17 @@ def test_a_large_pass_gives_cached_buffers_back_only_past_the_share():
         mx.set_memory_limit(limit)
 
 
-def test_the_trim_may_be_told_to_clear_every_time(monkeypatch):
+def test_a_large_pass_clears_the_cache_unless_told_to_keep_it(monkeypatch):
     import mlx.core as mx
 
-    from mlxq.worker.mlx_settings import TRIM_ENV, trim_cache
+    from mlxq.worker.mlx_settings import KEEP_CACHE, TRIM_ENV, trim_cache
 
-    mx.eval(mx.ones((256, 1024)))  # freed at once: cached
-    assert mx.get_cache_memory() > 0
-    assert not trim_cache()  # a small cache is kept
-    monkeypatch.setenv(TRIM_ENV, "0")  # mlx-lm's way: every large pass clears it
-    assert trim_cache() and mx.get_cache_memory() == 0
+    assert KEEP_CACHE is False
+    for given, kept in (("", False), ("0", False), ("1", True), ("yes", False)):
+        monkeypatch.setenv(TRIM_ENV, given)
+        mx.eval(mx.ones((256, 1024)))  # freed at once: cached
+        assert mx.get_cache_memory() > 0
+        # mlx-lm's way unless told: every large pass clears it; kept, a small cache stays.
+        assert trim_cache() is not kept, given
+        assert (mx.get_cache_memory() > 0) is kept, given
+    mx.clear_cache()
