@@ -110,6 +110,7 @@ def summary(lines: Sequence[dict[str, Any]], slowest: int = 0) -> str:
     rows += _waits(lines)
     rows += _step_kinds(lines)
     rows += _copied_joins(lines)
+    rows += _bookkeeping(lines)
     if slowest and prefills:
         rows.append(f"slowest {slowest} prefill passes (rows x width, keys, new, ms):")
         for p in sorted(prefills, key=lambda p: -p["ms"])[:slowest]:
@@ -226,6 +227,39 @@ def _copied_joins(lines: Sequence[dict[str, Any]]) -> list[str]:
         rows = sum(int(x.get("rows", 0)) for x in xs)
         ms = statistics.median(x["ms"] for x in xs)
         out.append(f"  {reason:<32} {len(xs):>6} {rows:>6} {ms:>7.2f}")
+    return out
+
+
+#: What an engine step did, by the stages traced inside its ``step_other`` (a prefill
+#: pass by its rows), as :func:`_bookkeeping` names it.
+_DID = {"decode": "decode", "first_token": "first", "rows_join": "join", "rows_leave": "leave"}
+
+
+def _bookkeeping(lines: Sequence[dict[str, Any]]) -> list[str]:
+    """mlx-lm's own work around an engine step's passes (``step_other``: making the
+    prompt batch, handing its rows over, building the batch's responses) by what else the
+    step did: a decode step, a refill (a prefill of several rows), one row's prefill, a
+    first-token pass, rows joining or leaving. On an H100 a refill's came to 26-30 ms with
+    MLX's buffer cache kept, 5 cleared (docs/benchmarks.md). A step's stages end, and are
+    traced, before its ``step_other`` line."""
+    kinds: dict[str, Tally] = {}
+    did: set[str] = set()
+    for x in lines:
+        stage = x["stage"]
+        if x.get("part"):
+            continue
+        if stage == "step_other":
+            kinds.setdefault("+".join(sorted(did)) or "nothing else", Tally()).add(x)
+            did = set()
+        elif stage == "prefill" and "rows" in x:
+            did.add("refill" if x["rows"] > 1 else "prefill 1")
+        elif stage in _DID:
+            did.add(_DID[stage])
+    if len(kinds) < 2:
+        return []
+    out = ["step_other by what else its step did"]
+    for name, tally in sorted(kinds.items(), key=lambda kv: -sum(kv[1].ms)):
+        out.append(tally.line(f"  {name}"))
     return out
 
 

@@ -441,3 +441,37 @@ def test_the_trace_says_why_joins_copied():
     table = {r[:34].strip(): r.split()[-3:] for r in text.splitlines() if r.startswith("  ")}
     assert table["no dead slot"] == ["2", "4", "3.00"]
     assert table["a row longer than the batch"] == ["1", "0", "6.00"]
+
+
+def test_the_trace_splits_mlx_lms_bookkeeping_by_what_its_step_did():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from stage_trace import summary
+
+    def step(other: float, *inner: dict) -> list[dict]:
+        return [*inner, {"stage": "step_other", "ms": other, "t": 0.0}]
+
+    decode = {"stage": "decode", "ms": 7.0, "t": 0.0, "rows": 62, "sampled": 0}
+    refill = {"stage": "prefill", "ms": 15.0, "t": 0.0, "rows": 62, "width": 32, "keys": 32}
+    one = {"stage": "prefill", "ms": 12.0, "t": 0.0, "rows": 1, "width": 32, "keys": 32}
+    join = {"stage": "rows_join", "ms": 0.1, "t": 0.0}
+    graph = {"stage": "graph", "part": True, "ms": 2.0, "t": 0.0}  # a part: no kind of its own
+    lines = [
+        *step(0.2, graph, decode),
+        *step(0.4, graph, decode),
+        *step(30.0, refill, join),
+        *step(26.0, refill, join),
+        *step(1.0, one, {"stage": "first_token", "ms": 0.4, "t": 0.0}, join, graph, decode),
+        {"stage": "detokenize", "ms": 0.3, "t": 0.0},  # after its step_other: the next one's
+        *step(0.1),
+    ]
+    text = summary(lines)
+    rows = text.splitlines()
+    at = rows.index("step_other by what else its step did")
+    table = {r[:30].strip(): r.split()[-6:] for r in rows[at + 1 : at + 5]}
+    assert list(table) == ["join+refill", "decode+first+join+prefill 1", "decode", "nothing else"]
+    assert table["join+refill"][:2] == ["2", "56.0"], text  # passes, ms
+    assert table["decode"][:3] == ["2", "0.6", "0.30"], text  # passes, ms, mean
+    assert table["nothing else"][:2] == ["1", "0.1"], text
