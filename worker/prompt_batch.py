@@ -179,7 +179,7 @@ class BoundPromptBatch(PromptProcessingBatch):  # type: ignore[misc]
         # this one (and the decode step before it).
         mx.async_eval([c.state for c in self.prompt_cache], *([] if last is None else [last]))
         if rows * width > self.prefill_step_size:
-            trim_cache()  # a large pass: its buffers go back where the cache is large
+            trim_cache()  # a large pass: MLX's cached buffers go back (mlx_settings)
         return last
 
     def _pass(
