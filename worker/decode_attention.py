@@ -30,11 +30,12 @@ kernel does not build.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
+
+from mlxq.worker.env import env_switch
 
 ENV = "MLXQ_DECODE_ATTENTION"
 #: Lanes a (row, head): one warp.
@@ -117,7 +118,7 @@ def enabled() -> bool:
     """Whether the kernel may be used: MLX on CUDA, and turned on by :data:`ENV`."""
     from mlxq.worker.mlx_settings import on_cuda
 
-    return os.environ.get(ENV, "0").strip() == "1" and on_cuda()
+    return env_switch(ENV, False) and on_cuda()
 
 
 @cache

@@ -34,6 +34,13 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An ``MLXQ_*`` switch of the worker's own (not an option): on where the variable is
+    ``1``, off where ``0``, ``default`` where it is unset or anything else."""
+    given = os.environ.get(name, "").strip()
+    return given == "1" if given in ("0", "1") else default
+
+
 def env_name(flag: str) -> str:
     """The variable of ``--some-option``: ``MLXQ_SOME_OPTION``."""
     return "MLXQ_" + flag.lstrip("-").replace("-", "_").upper()

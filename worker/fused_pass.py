@@ -41,6 +41,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlxq.worker import decode_attention, joined_linear
+from mlxq.worker.env import env_switch
 from mlxq.worker.joined_linear import Joined
 from mlxq.worker.layer_attention import attend, attend_heads, heads
 from mlxq.worker.mlx_settings import on_cuda
@@ -318,7 +319,7 @@ def fused_pass(model: Any) -> FusedPass | None:
     if decode_attention.enabled():
         one_kernel = replace(fused, one_kernel_attention=True)
         fused = _checked(model, "decode attention", lambda: one_kernel) or fused
-    if os.environ.get(COMPILED_ENV, "1" if COMPILED_LAYERS else "0").strip() == "1":
+    if env_switch(COMPILED_ENV, COMPILED_LAYERS):
         fused = _checked(model, "compiled layers", lambda: _compiled(fused)) or fused
     return fused
 

@@ -25,7 +25,6 @@ their rows (its own calls, the prefill's, are unchanged).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,11 +32,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxq.worker.env import env_switch
+
 ENV = "MLXQ_JOINED_PROJECTIONS"
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip() != "0"
+    return env_switch(ENV, True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,13 +36,13 @@ passes the batch's end), so its stale rows stay finite and never reach a live ro
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxq.worker.env import env_switch
 from mlxq.worker.kv_pack import cut_to, filter_rows
 
 #: Columns before every live row's first token that a leave leaves in place: fewer cost a
@@ -59,10 +59,7 @@ ENV = "MLXQ_KV_SLOTS"
 def enabled() -> bool:
     """Whether rows that leave leave their slots dead: ``MLXQ_KV_SLOTS`` (1 or 0), else
     where MLX computes on a GPU."""
-    given = os.environ.get(ENV, "").strip()
-    if given in ("0", "1"):
-        return given == "1"
-    return bool(mx.default_device().type == mx.DeviceType.gpu)
+    return env_switch(ENV, mx.default_device().type == mx.DeviceType.gpu)
 
 
 def slotted(caches: Sequence[Any]) -> bool:
