@@ -19,6 +19,8 @@ import logging
 import os
 from collections.abc import MutableMapping
 
+from mlxq.worker.env import env_switch
+
 log = logging.getLogger("mlxq.worker")
 
 #: What the worker sets where the environment does not say.
@@ -69,12 +71,12 @@ def trim_cache() -> bool:
     them. Measured side by side on an H100 (0.5B shape, three pairs of turns runs,
     docs/benchmarks.md), keeping them cost more than it saved: the steady decode step of
     62 rows took 7.40-7.72 ms kept against 6.56-7.32 cleared, the mlx-lm bookkeeping
-    around a refill 28.6-33.7 ms against 4.3-6.3, and the sweep made 10% fewer decode
-    steps in the same time, though the clears took 3.6 s more of each 50 s run."""
+    around a refill 26.2-30.1 ms against 4.7-4.9 (each run's mean), and the sweep made
+    2-10% fewer decode steps in the same time, though the clears took 3.6 s more of each
+    50 s run."""
     import mlx.core as mx
 
-    given = os.environ.get(TRIM_ENV, "").strip()
-    keep = given == "1" if given in ("0", "1") else KEEP_CACHE
+    keep = env_switch(TRIM_ENV, KEEP_CACHE)
     if keep and mx.get_cache_memory() * CACHE_SHARE <= mx.get_memory_limit():
         return False
     mx.clear_cache()
